@@ -1,0 +1,22 @@
+// The single nanobind extension of jaxodc: control APIs of every subsystem plus one
+// registrations() dict of XLA FFI handlers.
+#include <nanobind/nanobind.h>
+
+#include "ffi/registry.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_C, m) {
+  m.doc() = "jaxodc native extension: ODC runtime, ring all-reduce, hashing, FFI handlers";
+  nb::dict targets;
+  jaxodc::bind_odc(m, targets);
+  jaxodc::bind_ring(m, targets);
+  jaxodc::bind_hash(m, targets);
+#ifdef JAXODC_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("registrations", [targets]() { return targets; },
+        "{target_name: {platform: capsule}} for jax.ffi.register_ffi_target");
+}

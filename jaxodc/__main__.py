@@ -1,0 +1,5 @@
+import sys
+
+from jaxodc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,39 @@
+"""`jaxodc` command line: each subcommand lives in its own module and is imported on demand."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help). Each function takes argv (list[str]) and
+# returns an exit status.
+COMMANDS = {
+    "launch": ("jaxodc.launch", "main", "start N ranks of a script (torchrun-like)"),
+    "demo": ("jaxodc.train.demo", "main", "train the small LM with ODC vs collective on 2 ranks"),
+    "train": ("jaxodc.train.cli", "main", "train a model with the sharded trainer"),
+    "simulate": ("jaxodc.train.simulate", "main", "bubble-rate simulator for a length distribution"),
+    "bench": ("jaxodc.bench", "main", "benchmarks: primitives, train, allreduce"),
+    "master": ("jaxodc.coord.service", "main", "run the coordination service standalone"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: jaxodc COMMAND [args]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxodc: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
