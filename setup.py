@@ -80,7 +80,7 @@ class BuildExt(build_ext):
                 obj = os.path.join(build_dir, os.path.relpath(cu, ROOT).replace(os.sep, "_") + ".o")
                 cmd = [nvcc, "-c", cu, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
                        "-DJAXODC_WITH_CUDA=1", "-I" + os.path.join(ROOT, "csrc"),
-                       "-I" + _ffi_include(), "-I" + os.path.join(cuda_root, "include")] + gencode
+                       "-isystem", _ffi_include(), "-I" + os.path.join(cuda_root, "include")] + gencode
                 print(" ".join(cmd), flush=True)
                 subprocess.check_call(cmd)
                 objects.append(obj)
@@ -99,9 +99,9 @@ def make_extension():
     return Extension(
         "jaxodc._C",
         sources=sources + [os.path.relpath(nb_combined, ROOT) if nb_combined.startswith(ROOT) else nb_combined],
-        include_dirs=["csrc", nb_include, robin_map, _ffi_include(), sysconfig.get_paths()["include"]],
+        include_dirs=["csrc", nb_include, robin_map, sysconfig.get_paths()["include"]],
         define_macros=[("NB_COMPACT_ASSERTIONS", None)],
-        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
+        extra_compile_args=["-std=c++17", "-O3", "-isystem", _ffi_include(), "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
                             "-fno-strict-aliasing"],
         extra_link_args=["-lpthread", "-lrt"],
         language="c++",

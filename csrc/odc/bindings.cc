@@ -1,5 +1,143 @@
+// Python control API of the ODC runtime (`jaxodc._C.OdcRuntime`) and its FFI targets.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
 #include "ffi/registry.h"
+#include "odc/ffi.h"
+#include "odc/runtime.h"
 
 namespace jaxodc {
-void bind_odc(nb::module_& m, nb::dict& targets) {}
+
+namespace {
+
+using odc::Runtime;
+using F32In = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using F32Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using AnyIn = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A fresh float32 numpy array owning its memory.
+nb::ndarray<nb::numpy, float, nb::ndim<1>> new_f32(int64_t n) {
+  float* data = new float[static_cast<size_t>(n > 0 ? n : 1)];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return nb::ndarray<nb::numpy, float, nb::ndim<1>>(data, {static_cast<size_t>(n)}, owner);
+}
+
+ElemType elem_type_of(const nb::dlpack::dtype& dt, const char* op) {
+  if (dt == nb::dtype<float>()) return ElemType::kF32;
+  if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16) return ElemType::kBF16;
+  throw Error(std::string(op) + ": arrays must be float32 or bfloat16");
+}
+
+}  // namespace
+
+void bind_odc(nb::module_& m, nb::dict& targets) {
+  // Base first: nanobind tries translators newest first, so subclasses must come later.
+  static nb::exception<Error> odc_error(m, "OdcError", PyExc_RuntimeError);
+  static nb::exception<TimeoutError> odc_timeout(m, "OdcTimeoutError", PyExc_TimeoutError);
+  static nb::exception<PeerError> odc_peer(m, "PeerError", PyExc_ConnectionError);
+
+  nb::class_<Runtime>(m, "OdcRuntime")
+      .def(nb::init<int, int, const std::string&, const std::vector<int64_t>&, double, const std::string&>(),
+           nb::arg("rank"), nb::arg("world"), nb::arg("job_id"), nb::arg("unit_numels"), nb::arg("timeout_s"),
+           nb::arg("listen_host") = "127.0.0.1")
+      .def_prop_ro("rank", &Runtime::rank)
+      .def_prop_ro("world", &Runtime::world)
+      .def_prop_ro("num_units", &Runtime::num_units)
+      .def_prop_ro("layout_hash", &Runtime::layout_hash)
+      .def_prop_ro("shm_name", &Runtime::shm_name)
+      .def_prop_ro("port", &Runtime::port)
+      .def("numel", &Runtime::numel)
+      .def("shard_size", &Runtime::shard_size)
+      .def(
+          "connect",
+          [](Runtime& rt, const std::vector<std::tuple<int, int, std::string, std::string, int, int>>& peers) {
+            std::vector<odc::PeerConfig> cfgs;
+            for (const auto& [rank, transport, shm, host, port, pid] : peers) {
+              odc::PeerConfig c;
+              c.rank = rank;
+              c.transport = static_cast<odc::Transport>(transport);
+              c.shm_name = shm;
+              c.host = host;
+              c.port = port;
+              c.pid = pid;
+              cfgs.push_back(c);
+            }
+            nb::gil_scoped_release release;
+            rt.connect(cfgs);
+          },
+          "peers: [(rank, transport 0=self 1=shm 2=tcp, shm_name, host, port, pid)]")
+      .def("unlink_segment", &Runtime::unlink_segment)
+      .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
+      .def(
+          "gather",
+          [](Runtime& rt, int unit, int64_t version, AnyIn out) {
+            ElemType t = elem_type_of(out.dtype(), "gather");
+            nb::gil_scoped_release release;
+            rt.gather(unit, version, out.data(), t, static_cast<int64_t>(out.shape(0)));
+          },
+          nb::arg("unit"), nb::arg("version"), nb::arg("out"))
+      .def(
+          "scatter_accumulate",
+          [](Runtime& rt, int unit, int64_t version, AnyIn grad) {
+            ElemType t = elem_type_of(grad.dtype(), "scatter_accumulate");
+            nb::gil_scoped_release release;
+            rt.scatter_accumulate(unit, version, grad.data(), t, static_cast<int64_t>(grad.shape(0)));
+          },
+          nb::arg("unit"), nb::arg("version"), nb::arg("grad"))
+      .def("done", &Runtime::done, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
+      .def("wait_complete", &Runtime::wait_complete, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
+      .def("next_task", &Runtime::next_task, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
+      .def("allgather_scalar", &Runtime::allgather_scalar, nb::arg("version"), nb::arg("value"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "fetch_grad",
+          [](Runtime& rt, int unit) {
+            auto out = new_f32(rt.shard_size(unit));
+            nb::gil_scoped_release release;
+            rt.fetch_grad(unit, out.data(), static_cast<int64_t>(out.shape(0)));
+            return out;
+          },
+          nb::arg("unit"))
+      .def(
+          "publish",
+          [](Runtime& rt, int unit, F32In shard, int64_t version) {
+            nb::gil_scoped_release release;
+            rt.publish(unit, shard.data(), static_cast<int64_t>(shard.shape(0)), version);
+          },
+          nb::arg("unit"), nb::arg("shard"), nb::arg("version"))
+      .def("published_version", &Runtime::published_version)
+      .def("read_shard",
+           [](const Runtime& rt, int unit) {
+             auto out = new_f32(rt.shard_size(unit));
+             rt.read_shard(unit, out.data(), static_cast<int64_t>(out.shape(0)));
+             return out;
+           })
+      .def("stats",
+           [](const Runtime& rt) {
+             odc::Stats s = rt.stats();
+             nb::dict d;
+             d["slot_bytes"] = s.slot_bytes;
+             d["master_bytes"] = s.master_bytes;
+             d["accum_bytes"] = s.accum_bytes;
+             d["segment_bytes"] = s.segment_bytes;
+             d["pushes_received"] = s.pushes_received;
+             d["bytes_received"] = s.bytes_received;
+             return d;
+           })
+      .def("close", &Runtime::close, nb::call_guard<nb::gil_scoped_release>());
+
+  m.def("odc_reclaim_stale_segments", &odc::reclaim_stale_segments,
+        "Unlinks /dev/shm/jaxodc_* segments whose owner process is gone; returns how many.");
+
+  add_target(targets, "jaxodc_odc_gather", "cpu", odc::OdcGatherCpu);
+  add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
+#ifdef JAXODC_WITH_CUDA
+  add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
+  add_target(targets, "jaxodc_odc_scatter", "CUDA", odc::OdcScatterCuda);
+#endif
+}
+
 }  // namespace jaxodc

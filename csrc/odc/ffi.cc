@@ -1,0 +1,69 @@
+#include "odc/ffi.h"
+
+#include <functional>
+
+#include "odc/ffi_common.h"
+
+namespace jaxodc::odc {
+
+namespace {
+
+ffi::Error run_guarded(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// Reads the full unit from every owner (waiting for their publication of `version`).
+ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t unit) {
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_call("odc.gather", unit, local_shard.element_type(), local_shard.element_count(),
+                            out->element_type(), out->element_count(), &rt, &type);
+      err.failure())
+    return err;
+  const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
+  return run_guarded([&] {
+    rt->gather(static_cast<int>(unit), v, out->untyped_data(), type, static_cast<int64_t>(out->element_count()));
+  });
+}
+
+// Pushes each owner's slice of `grad` into its accumulator; the token orders later effects.
+ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
+                          ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit) {
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_call("odc.scatter_accumulate", unit, local_shard.element_type(), local_shard.element_count(),
+                            grad.element_type(), grad.element_count(), &rt, &type);
+      err.failure())
+    return err;
+  const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
+  token->typed_data()[0] = 0;
+  return run_guarded([&] {
+    rt->scatter_accumulate(static_cast<int>(unit), v, grad.untyped_data(), type,
+                           static_cast<int64_t>(grad.element_count()));
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("unit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("unit"));
+
+}  // namespace jaxodc::odc

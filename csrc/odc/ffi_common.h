@@ -1,0 +1,47 @@
+// Argument checks shared by the CPU and CUDA ODC handlers.
+#pragma once
+
+#include <string>
+
+#include "common/dtype.h"
+#include "odc/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxodc::odc {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
+
+// Resolves the runtime, the unit and the compute dtype; `numel` is the full unit's size the
+// caller passes (gathered output or gradient).
+inline ffi::Error check_call(const char* op, int64_t unit, ffi::DataType shard_type, size_t shard_numel,
+                             ffi::DataType full_type, size_t full_numel, Runtime** rt, ElemType* type) {
+  *rt = current_runtime();
+  if (*rt == nullptr)
+    return invalid(std::string(op) +
+                   ": the ODC runtime is not initialised in this process (create jaxodc.odc.Runtime first)");
+  if (unit < 0 || unit >= (*rt)->num_units())
+    return invalid(std::string(op) + ": rank " + std::to_string((*rt)->rank()) + " has no unit " +
+                   std::to_string(unit) + " (" + std::to_string((*rt)->num_units()) + " registered)");
+  if (shard_type != ffi::DataType::F32)
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": the local shard must be float32");
+  if (static_cast<int64_t>(shard_numel) != (*rt)->shard_size(static_cast<int>(unit)))
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + " on rank " + std::to_string((*rt)->rank()) +
+                   ": local shard has " + std::to_string(shard_numel) + " elements, expected " +
+                   std::to_string((*rt)->shard_size(static_cast<int>(unit))));
+  if (full_type == ffi::DataType::F32) {
+    *type = ElemType::kF32;
+  } else if (full_type == ffi::DataType::BF16) {
+    *type = ElemType::kBF16;
+  } else {
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": compute dtype must be float32 or bfloat16");
+  }
+  if (static_cast<int64_t>(full_numel) != (*rt)->numel(static_cast<int>(unit)))
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + " has " +
+                   std::to_string((*rt)->numel(static_cast<int>(unit))) + " elements, got an array of " +
+                   std::to_string(full_numel));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxodc::odc

@@ -1,0 +1,955 @@
+#include "odc/runtime.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "transport/socket_util.h"
+
+namespace jaxodc::odc {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x3130434f444f584aULL;  // "JXODOC01"
+constexpr int kRing = 8;  // versions in flight differ by at most 1; 8 entries leave ample margin
+constexpr uint32_t kSlotFree = 0, kSlotFull = 1;
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+// A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
+bool pid_alive(int pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content;
+  if (!std::getline(stat, content)) return false;
+  size_t paren = content.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= content.size()) return true;
+  char state = content[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::atomic<Runtime*> g_runtime{nullptr};
+
+}  // namespace
+
+struct alignas(64) UnitEntry {
+  std::atomic<int64_t> version;  // -1 until first publish
+  int64_t numel;
+  int64_t shard;
+  uint64_t master_offset;
+};
+
+struct alignas(64) SlotHeader {
+  std::atomic<uint32_t> state;
+  int32_t unit;
+  int64_t version;
+  int64_t count;
+};
+
+struct alignas(64) ScalarEntry {
+  std::atomic<int64_t> version;
+  double value;
+};
+
+struct SegmentHeader {
+  uint64_t magic;
+  int32_t rank, world, pid, num_units;
+  uint64_t layout_hash;
+  int64_t max_shard;
+  uint64_t total_bytes, units_off, masters_off, slots_off, slot_stride, done_off, scalars_off;
+  alignas(64) std::atomic<uint32_t> pub_seq;     // bumped on publish
+  alignas(64) std::atomic<uint32_t> doorbell;    // bumped on push / done / drained slot
+  alignas(64) std::atomic<uint32_t> slot_seq;    // bumped when a slot is freed
+  alignas(64) std::atomic<uint32_t> scalar_seq;  // bumped when a scalar is posted
+  alignas(64) std::atomic<uint32_t> closing;     // owner shut down
+  alignas(64) std::atomic<uint64_t> tasks[kRing];  // (version << 24 | next) work-stealing counters
+
+  char* base() { return reinterpret_cast<char*>(this); }
+  UnitEntry* unit(int u) { return reinterpret_cast<UnitEntry*>(base() + units_off) + u; }
+  float* master(int u) { return reinterpret_cast<float*>(base() + unit(u)->master_offset); }
+  SlotHeader* slot(int client) {
+    return reinterpret_cast<SlotHeader*>(base() + slots_off + slot_stride * static_cast<uint64_t>(client));
+  }
+  float* slot_data(int client) { return reinterpret_cast<float*>(reinterpret_cast<char*>(slot(client)) + 64); }
+  std::atomic<int64_t>* done(int client) {
+    return reinterpret_cast<std::atomic<int64_t>*>(base() + done_off) + client;
+  }
+  ScalarEntry* scalar(int64_t version) {
+    return reinterpret_cast<ScalarEntry*>(base() + scalars_off) + (version % kRing);
+  }
+};
+
+static_assert(std::atomic<int64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
+
+struct Runtime::Peer {
+  int rank = -1;
+  Transport transport = Transport::kSelf;
+  SegmentHeader* seg = nullptr;  // mapped segment (self or shm)
+  size_t seg_bytes = 0;
+  int pid = 0;
+  std::string host;
+  int port = 0;
+  int fd = -1;
+  std::mutex mu;  // one request at a time on the TCP connection
+  std::string name() const { return "rank " + std::to_string(rank); }
+};
+
+// Wire format of the TCP transport.
+enum Op : uint32_t { kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kTask = 6, kBye = 7 };
+struct WireHeader {
+  uint32_t op;
+  int32_t rank;
+  int32_t unit;
+  int32_t status;  // replies: 0 ok, 1 error (message of `count` bytes follows)
+  int64_t version;
+  int64_t count;
+  uint64_t aux;
+  double value;
+};
+
+Runtime* current_runtime() { return g_runtime.load(std::memory_order_acquire); }
+void set_current_runtime(Runtime* rt) { g_runtime.store(rt, std::memory_order_release); }
+
+Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
+                 double timeout_s, const std::string& listen_host)
+    : rank_(rank), world_(world), job_id_(job_id), numels_(unit_numels), timeout_s_(timeout_s) {
+  if (world < 1) throw Error("world size must be >= 1, got " + std::to_string(world));
+  if (rank < 0 || rank >= world)
+    throw Error("rank " + std::to_string(rank) + " outside [0, " + std::to_string(world) + ")");
+  if (unit_numels.empty()) throw Error("rank " + std::to_string(rank) + ": no units registered");
+  for (char c : job_id)
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '_'))
+      throw Error("job id '" + job_id + "' may hold only letters, digits and '_'");
+  layout_hash_ = fnv1a(0xcbf29ce484222325ULL, &world, sizeof(world));
+  for (size_t u = 0; u < numels_.size(); ++u) {
+    if (numels_[u] <= 0)
+      throw Error("rank " + std::to_string(rank) + ": unit " + std::to_string(u) + " has " +
+                  std::to_string(numels_[u]) + " elements; units must be non-empty");
+    int64_t shard = (numels_[u] + world - 1) / world;
+    shards_.push_back(shard);
+    max_shard_ = std::max(max_shard_, shard);
+    layout_hash_ = fnv1a(layout_hash_, &numels_[u], sizeof(int64_t));
+  }
+
+  // Segment layout.
+  const int nu = num_units();
+  size_t off = align_up(sizeof(SegmentHeader), 64);
+  size_t units_off = off;
+  off = align_up(off + sizeof(UnitEntry) * nu, 64);
+  size_t masters_off = off;
+  std::vector<uint64_t> master_offsets;
+  for (int u = 0; u < nu; ++u) {
+    master_offsets.push_back(off);
+    off = align_up(off + static_cast<size_t>(shards_[u]) * 4, 64);
+  }
+  size_t slot_stride = align_up(64 + static_cast<size_t>(max_shard_) * 4, 64);
+  size_t slots_off = off;
+  off += slot_stride * world;
+  size_t done_off = off;
+  off = align_up(off + sizeof(int64_t) * world, 64);
+  size_t scalars_off = off;
+  off = align_up(off + sizeof(ScalarEntry) * kRing, 4096);
+  seg_bytes_ = off;
+
+  reclaim_stale_segments();
+  shm_name_ = "/jaxodc_" + job_id + "_" + std::to_string(rank);
+  int fd = shm_open(shm_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    throw Error("rank " + std::to_string(rank) + ": shared memory segment " + shm_name_ +
+                " already exists and its owner is alive: is job id '" + job_id + "' in use twice?");
+  }
+  if (fd < 0) throw Error("shm_open(" + shm_name_ + "): " + strerror(errno));
+  linked_ = true;
+  if (ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
+    std::string msg = strerror(errno);
+    ::close(fd);
+    shm_unlink(shm_name_.c_str());
+    throw Error("rank " + std::to_string(rank) + ": cannot size shared memory segment " + shm_name_ +
+                " to " + std::to_string(seg_bytes_) + " bytes: " + msg);
+  }
+  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(shm_name_.c_str());
+    throw Error("mmap of " + shm_name_ + " failed: " + strerror(errno));
+  }
+  seg_ = static_cast<SegmentHeader*>(p);
+  // ftruncate zero-fills; atomics with all-zero bytes are valid zero values.
+  seg_->rank = rank;
+  seg_->world = world;
+  seg_->pid = static_cast<int32_t>(getpid());
+  seg_->num_units = nu;
+  seg_->layout_hash = layout_hash_;
+  seg_->max_shard = max_shard_;
+  seg_->total_bytes = seg_bytes_;
+  seg_->units_off = units_off;
+  seg_->masters_off = masters_off;
+  seg_->slots_off = slots_off;
+  seg_->slot_stride = slot_stride;
+  seg_->done_off = done_off;
+  seg_->scalars_off = scalars_off;
+  for (int u = 0; u < nu; ++u) {
+    UnitEntry* e = seg_->unit(u);
+    e->numel = numels_[u];
+    e->shard = shards_[u];
+    e->master_offset = master_offsets[u];
+    e->version.store(-1, std::memory_order_relaxed);
+  }
+  for (int c = 0; c < world; ++c) seg_->done(c)->store(-1, std::memory_order_relaxed);
+  for (int i = 0; i < kRing; ++i) seg_->scalar(i)->version.store(-1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  seg_->magic = kMagic;
+
+  for (int u = 0; u < nu; ++u) {
+    accum_.emplace_back(static_cast<size_t>(shards_[u]), 0.0f);
+    accum_mu_.push_back(std::make_unique<std::mutex>());
+  }
+  last_fetched_.assign(nu, -1);
+  client_failure_.assign(world, "");
+
+  for (int r = 0; r < world; ++r) peers_.push_back(std::make_unique<Peer>());
+  Peer& self = *peers_[rank];
+  self.rank = rank;
+  self.transport = Transport::kSelf;
+  self.seg = seg_;
+  self.pid = getpid();
+
+  if (world > 1) {
+    listen_fd_ = net::listen_tcp(listen_host, 0, &port_);
+    server_ = std::thread([this] { serve_loop(); });
+  }
+  daemon_ = std::thread([this] { daemon_loop(); });
+}
+
+Runtime::~Runtime() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+int64_t Runtime::numel(int unit) const {
+  check_unit(unit, "numel");
+  return numels_[unit];
+}
+
+int64_t Runtime::shard_size(int unit) const {
+  check_unit(unit, "shard_size");
+  return shards_[unit];
+}
+
+Stats Runtime::stats() const {
+  Stats s;
+  s.slot_bytes = static_cast<int64_t>(max_shard_) * 4 * world_;
+  for (int64_t sh : shards_) s.master_bytes += sh * 4;
+  s.accum_bytes = s.master_bytes;
+  s.segment_bytes = static_cast<int64_t>(seg_bytes_);
+  s.pushes_received = pushes_received_.load();
+  s.bytes_received = bytes_received_.load();
+  return s;
+}
+
+void Runtime::check_unit(int unit, const char* op) const {
+  if (unit < 0 || unit >= static_cast<int>(numels_.size()))
+    throw Error(std::string(op) + ": rank " + std::to_string(rank_) + " has no unit " + std::to_string(unit) +
+                " (" + std::to_string(numels_.size()) + " units registered)");
+}
+
+void Runtime::check_open(const char* op) const {
+  if (closed_) throw Error(std::string(op) + ": the ODC runtime of rank " + std::to_string(rank_) + " is closed");
+}
+
+void Runtime::connect(const std::vector<PeerConfig>& configs) {
+  check_open("connect");
+  if (static_cast<int>(configs.size()) != world_)
+    throw Error("connect: expected " + std::to_string(world_) + " peer configs, got " +
+                std::to_string(configs.size()));
+  for (const PeerConfig& cfg : configs) {
+    if (cfg.rank < 0 || cfg.rank >= world_) throw Error("connect: bad peer rank " + std::to_string(cfg.rank));
+    if (cfg.rank == rank_) continue;
+    Peer& peer = *peers_[cfg.rank];
+    peer.rank = cfg.rank;
+    peer.transport = cfg.transport;
+    peer.pid = cfg.pid;
+    peer.host = cfg.host;
+    peer.port = cfg.port;
+    if (cfg.transport == Transport::kShm) {
+      int fd = shm_open(cfg.shm_name.c_str(), O_RDWR, 0);
+      if (fd < 0)
+        throw PeerError("rank " + std::to_string(rank_) + ": cannot open the segment " + cfg.shm_name + " of rank " +
+                        std::to_string(cfg.rank) + ": " + strerror(errno) +
+                        " (is it on another host? use the tcp transport)");
+      struct stat st;
+      fstat(fd, &st);
+      void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ::close(fd);
+      if (p == MAP_FAILED) throw PeerError("mmap of " + cfg.shm_name + " failed: " + strerror(errno));
+      peer.seg = static_cast<SegmentHeader*>(p);
+      peer.seg_bytes = static_cast<size_t>(st.st_size);
+      if (peer.seg->magic != kMagic || peer.seg->rank != cfg.rank || peer.seg->world != world_)
+        throw PeerError("segment " + cfg.shm_name + " is not the ODC segment of rank " + std::to_string(cfg.rank));
+      if (peer.seg->layout_hash != layout_hash_)
+        throw Error("unit layout of rank " + std::to_string(cfg.rank) + " differs from rank " + std::to_string(rank_));
+      peer.pid = peer.seg->pid;
+    } else if (cfg.transport == Transport::kTcp) {
+      peer.fd = net::connect_tcp(cfg.host, cfg.port, timeout_s_, peer.name());
+      WireHeader h{};
+      h.op = kHello;
+      h.rank = rank_;
+      h.aux = layout_hash_;
+      h.count = world_;
+      net::send_all(peer.fd, &h, sizeof(h), timeout_s_, peer.name());
+      WireHeader r{};
+      net::recv_all(peer.fd, &r, sizeof(r), timeout_s_, peer.name());
+      if (r.status != 0)
+        throw Error("unit layout of rank " + std::to_string(cfg.rank) + " differs from rank " + std::to_string(rank_) +
+                    " (tcp handshake refused)");
+    } else {
+      throw Error("connect: peer " + std::to_string(cfg.rank) + " cannot use the 'self' transport");
+    }
+  }
+}
+
+void Runtime::unlink_segment() {
+  if (linked_) {
+    shm_unlink(shm_name_.c_str());
+    linked_ = false;
+  }
+}
+
+void Runtime::check_peer_alive(const Peer& peer, const std::string& what) const {
+  if (closed_ || stop_.load()) throw Error(what + ": the ODC runtime of rank " + std::to_string(rank_) + " was closed");
+  if (peer.transport == Transport::kShm) {
+    if (peer.seg->closing.load(std::memory_order_acquire))
+      throw PeerError(what + ": " + peer.name() + " shut down its ODC runtime");
+    if (!pid_alive(peer.pid))
+      throw PeerError(what + ": " + peer.name() + " (pid " + std::to_string(peer.pid) + ") died");
+  }
+}
+
+template <class Pred>
+void Runtime::wait_for(std::atomic<uint32_t>* word, Pred ready, const Peer* peer, const std::string& what) {
+  double start = now_seconds(), deadline = start + timeout_s_;
+  int spins = 0;
+  while (true) {
+    uint32_t seen = word->load(std::memory_order_acquire);
+    if (ready()) return;
+    // A short spin catches the common case of an event a few microseconds away.
+    if (++spins < 64) continue;
+    if (peer != nullptr) check_peer_alive(*peer, what);
+    if (stop_.load()) throw Error(what + ": the ODC runtime of rank " + std::to_string(rank_) + " was closed");
+    double now = now_seconds();
+    if (now > deadline)
+      throw TimeoutError("rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_s_) +
+                         " s " + what);
+    futex_wait(word, seen, std::min(0.05, deadline - now));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker side
+
+void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel) {
+  check_open("gather");
+  check_unit(unit, "gather");
+  const int64_t numel = numels_[unit], shard = shards_[unit];
+  if (out_numel != numel)
+    throw Error("gather: unit " + std::to_string(unit) + " has " + std::to_string(numel) + " elements, output holds " +
+                std::to_string(out_numel));
+  char* dst = static_cast<char*>(out);
+  const size_t esize = elem_size(type);
+  auto piece = [&](int owner, int64_t* lo, int64_t* n) {
+    *lo = std::min<int64_t>(static_cast<int64_t>(owner) * shard, numel);
+    *n = std::min<int64_t>(shard, numel - *lo);
+  };
+  // TCP owners first: send every request, then copy the local shards while they travel.
+  std::vector<Peer*> remote;
+  for (int d = 0; d < world_; ++d) {
+    Peer& p = *peers_[d];
+    if (p.transport != Transport::kTcp) continue;
+    p.mu.lock();
+    remote.push_back(&p);
+    WireHeader h{};
+    h.op = kGather;
+    h.rank = rank_;
+    h.unit = unit;
+    h.version = version;
+    try {
+      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+    } catch (...) {
+      for (Peer* q : remote) q->mu.unlock();
+      throw;
+    }
+  }
+  std::vector<float> staging;
+  try {
+    for (int d = 0; d < world_; ++d) {
+      Peer& p = *peers_[d];
+      if (p.transport == Transport::kTcp) continue;
+      int64_t lo, n;
+      piece(d, &lo, &n);
+      UnitEntry* e = p.seg->unit(unit);
+      wait_for(
+          &p.seg->pub_seq, [&] { return e->version.load(std::memory_order_acquire) >= version; },
+          d == rank_ ? nullptr : &p,
+          "waiting for " + p.name() + " to publish unit " + std::to_string(unit) + " version " +
+              std::to_string(version) + " (gather)");
+      if (n <= 0) continue;
+      int64_t seen = e->version.load(std::memory_order_acquire);
+      const float* src = p.seg->master(unit);
+      store_from_f32(dst + lo * esize, type, src, n);
+      if (e->version.load(std::memory_order_acquire) != seen)
+        throw Error("gather: " + p.name() + " republished unit " + std::to_string(unit) +
+                    " while rank " + std::to_string(rank_) + " was reading version " + std::to_string(seen));
+    }
+    for (Peer* p : remote) {
+      WireHeader r{};
+      net::recv_all(p->fd, &r, sizeof(r), timeout_s_ + 5, p->name());
+      if (r.status != 0) {
+        std::string msg(static_cast<size_t>(r.count), '\0');
+        net::recv_all(p->fd, msg.data(), msg.size(), timeout_s_, p->name());
+        throw PeerError("gather of unit " + std::to_string(unit) + " from " + p->name() + " failed: " + msg);
+      }
+      int64_t lo, n;
+      piece(p->rank, &lo, &n);
+      if (r.count != std::max<int64_t>(n, 0)) throw PeerError("gather: " + p->name() + " sent a wrong shard size");
+      if (n <= 0) continue;
+      if (type == ElemType::kF32) {
+        net::recv_all(p->fd, dst + lo * esize, static_cast<size_t>(n) * 4, timeout_s_, p->name());
+      } else {
+        staging.resize(static_cast<size_t>(n));
+        net::recv_all(p->fd, staging.data(), static_cast<size_t>(n) * 4, timeout_s_, p->name());
+        store_from_f32(dst + lo * esize, type, staging.data(), n);
+      }
+    }
+  } catch (...) {
+    for (Peer* q : remote) q->mu.unlock();
+    throw;
+  }
+  for (Peer* q : remote) q->mu.unlock();
+}
+
+void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type, int64_t grad_numel) {
+  check_open("scatter_accumulate");
+  check_unit(unit, "scatter_accumulate");
+  const int64_t numel = numels_[unit], shard = shards_[unit];
+  if (grad_numel != numel)
+    throw Error("scatter_accumulate: unit " + std::to_string(unit) + " has " + std::to_string(numel) +
+                " elements, gradient holds " + std::to_string(grad_numel));
+  const char* src = static_cast<const char*>(grad);
+  const size_t esize = elem_size(type);
+  std::vector<float> staging;
+  // Start with the next owner so that ranks do not all queue at owner 0 at once.
+  for (int i = 0; i < world_; ++i) {
+    int d = (rank_ + 1 + i) % world_;
+    Peer& p = *peers_[d];
+    int64_t lo = std::min<int64_t>(static_cast<int64_t>(d) * shard, numel);
+    int64_t n = std::min<int64_t>(shard, numel - lo);
+    if (n < 0) n = 0;
+    const std::string what = "pushing unit " + std::to_string(unit) + " version " + std::to_string(version) +
+                             " to " + p.name();
+    if (p.transport == Transport::kSelf) {
+      if (type == ElemType::kF32) {
+        accumulate(unit, version, rank_, reinterpret_cast<const float*>(src + lo * esize), n);
+      } else {
+        staging.resize(static_cast<size_t>(n));
+        load_to_f32(staging.data(), src + lo * esize, type, n);
+        accumulate(unit, version, rank_, staging.data(), n);
+      }
+    } else if (p.transport == Transport::kShm) {
+      SlotHeader* slot = p.seg->slot(rank_);
+      wait_for(
+          &p.seg->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; }, &p,
+          "waiting for its receive slot at " + p.name() + " (" + what + ")");
+      float* data = p.seg->slot_data(rank_);
+      load_to_f32(data, src + lo * esize, type, n);
+      slot->unit = unit;
+      slot->version = version;
+      slot->count = n;
+      slot->state.store(kSlotFull, std::memory_order_release);
+      signal_event(&p.seg->doorbell);
+    } else {
+      std::lock_guard<std::mutex> lock(p.mu);
+      WireHeader h{};
+      h.op = kPush;
+      h.rank = rank_;
+      h.unit = unit;
+      h.version = version;
+      h.count = n;
+      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+      if (type == ElemType::kF32) {
+        net::send_all(p.fd, src + lo * esize, static_cast<size_t>(n) * 4, timeout_s_, p.name());
+      } else {
+        staging.resize(static_cast<size_t>(n));
+        load_to_f32(staging.data(), src + lo * esize, type, n);
+        net::send_all(p.fd, staging.data(), static_cast<size_t>(n) * 4, timeout_s_, p.name());
+      }
+    }
+  }
+}
+
+void Runtime::done(int64_t version) {
+  check_open("done");
+  for (int d = 0; d < world_; ++d) {
+    Peer& p = *peers_[d];
+    if (p.transport == Transport::kTcp) {
+      std::lock_guard<std::mutex> lock(p.mu);
+      WireHeader h{};
+      h.op = kDone;
+      h.rank = rank_;
+      h.version = version;
+      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+    } else {
+      p.seg->done(rank_)->store(version, std::memory_order_release);
+      signal_event(&p.seg->doorbell);
+    }
+  }
+}
+
+// Work-stealing queue head for one minibatch: (version + 1) << 24 | next index, so that a
+// counter left from an older minibatch restarts at 0 for the new one.
+static int64_t claim_task(std::atomic<uint64_t>& counter, int64_t version) {
+  const uint64_t tag = static_cast<uint64_t>(version) + 1;
+  uint64_t cur = counter.load(std::memory_order_acquire);
+  while (true) {
+    uint64_t cur_tag = cur >> 24, next;
+    int64_t result;
+    if (cur_tag < tag) {
+      next = (tag << 24) | 1;
+      result = 0;
+    } else if (cur_tag == tag) {
+      if ((cur & 0xffffff) == 0xffffff) throw Error("next_task: more than 16M tasks in one minibatch");
+      next = cur + 1;
+      result = static_cast<int64_t>(cur & 0xffffff);
+    } else {
+      throw Error("next_task: version " + std::to_string(version) + " is older than the queue's version " +
+                  std::to_string(cur_tag - 1));
+    }
+    if (counter.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) return result;
+  }
+}
+
+int64_t Runtime::local_next_task(int64_t version) { return claim_task(seg_->tasks[version % kRing], version); }
+
+int64_t Runtime::next_task(int64_t version) {
+  check_open("next_task");
+  Peer& p = *peers_[0];
+  if (p.transport != Transport::kTcp) return claim_task(p.seg->tasks[version % kRing], version);
+  std::lock_guard<std::mutex> lock(p.mu);
+  WireHeader h{};
+  h.op = kTask;
+  h.rank = rank_;
+  h.version = version;
+  net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+  WireHeader r{};
+  net::recv_all(p.fd, &r, sizeof(r), timeout_s_, p.name());
+  if (r.status != 0) throw PeerError("next_task at rank 0 failed for version " + std::to_string(version));
+  return r.count;
+}
+
+void Runtime::wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer, const std::string& what) {
+  ScalarEntry* e = seg->scalar(version);
+  wait_for(&seg->scalar_seq, [&] { return e->version.load(std::memory_order_acquire) >= version; }, peer, what);
+  if (e->version.load(std::memory_order_acquire) != version)
+    throw Error(what + ": the peer moved past version " + std::to_string(version));
+}
+
+std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
+  check_open("allgather_scalar");
+  ScalarEntry* mine = seg_->scalar(version);
+  mine->value = value;
+  mine->version.store(version, std::memory_order_release);
+  signal_event(&seg_->scalar_seq);
+  std::vector<double> out(world_, 0.0);
+  for (int d = 0; d < world_; ++d) {
+    Peer& p = *peers_[d];
+    const std::string what = "waiting for the scalar of " + p.name() + " at version " + std::to_string(version);
+    if (p.transport == Transport::kTcp) {
+      std::lock_guard<std::mutex> lock(p.mu);
+      WireHeader h{};
+      h.op = kScalar;
+      h.rank = rank_;
+      h.version = version;
+      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+      WireHeader r{};
+      net::recv_all(p.fd, &r, sizeof(r), timeout_s_ + 5, p.name());
+      if (r.status != 0) {
+        std::string msg(static_cast<size_t>(r.count), '\0');
+        net::recv_all(p.fd, msg.data(), msg.size(), timeout_s_, p.name());
+        throw PeerError(what + ": " + msg);
+      }
+      out[d] = r.value;
+    } else {
+      wait_scalar(p.seg, version, d == rank_ ? nullptr : &p, what);
+      out[d] = p.seg->scalar(version)->value;
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Owner side
+
+void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count) {
+  int64_t expected = accumulating_version_.load(std::memory_order_acquire);
+  if (version != expected) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (daemon_error_.empty())
+      daemon_error_ = "rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " for version " +
+                      std::to_string(version) + " while rank " + std::to_string(rank_) + " accumulates version " +
+                      std::to_string(expected);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+  float* acc = accum_[unit].data();
+  for (int64_t i = 0; i < count; ++i) acc[i] += data[i];
+}
+
+bool Runtime::drain_slots() {
+  bool drained = false;
+  for (int c = 0; c < world_; ++c) {
+    if (c == rank_) continue;
+    SlotHeader* slot = seg_->slot(c);
+    if (slot->state.load(std::memory_order_acquire) != kSlotFull) continue;
+    int unit = slot->unit;
+    int64_t count = slot->count;
+    if (unit < 0 || unit >= num_units() || count < 0 || count > shards_[unit]) {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      if (daemon_error_.empty())
+        daemon_error_ = "rank " + std::to_string(c) + " pushed a malformed message (unit " + std::to_string(unit) +
+                        ", " + std::to_string(count) + " elements) to rank " + std::to_string(rank_);
+    } else {
+      accumulate(unit, slot->version, c, seg_->slot_data(c), count);
+      pushes_received_.fetch_add(1, std::memory_order_relaxed);
+      bytes_received_.fetch_add(count * 4, std::memory_order_relaxed);
+    }
+    slot->state.store(kSlotFree, std::memory_order_release);
+    drained = true;
+  }
+  if (drained) {
+    signal_event(&seg_->slot_seq);
+    signal_event(&seg_->doorbell);
+  }
+  return drained;
+}
+
+void Runtime::daemon_loop() {
+  while (!stop_.load(std::memory_order_acquire)) {
+    uint32_t seen = seg_->doorbell.load(std::memory_order_acquire);
+    if (drain_slots()) continue;
+    futex_wait(&seg_->doorbell, seen, 0.1);
+  }
+}
+
+void Runtime::wait_complete(int64_t version) {
+  check_open("wait_complete");
+  if (version != accumulating_version_.load())
+    throw Error("wait_complete: rank " + std::to_string(rank_) + " accumulates version " +
+                std::to_string(accumulating_version_.load()) + ", not " + std::to_string(version));
+  double deadline = now_seconds() + timeout_s_;
+  while (true) {
+    uint32_t seen = seg_->doorbell.load(std::memory_order_acquire);
+    {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      if (!daemon_error_.empty()) throw PeerError(daemon_error_);
+    }
+    int missing = -1;
+    for (int c = 0; c < world_ && missing < 0; ++c) {
+      if (seg_->done(c)->load(std::memory_order_acquire) < version) missing = c;
+      else if (c != rank_ && seg_->slot(c)->state.load(std::memory_order_acquire) != kSlotFree) missing = c;
+    }
+    if (missing < 0) break;
+    const std::string what = "waiting for done(" + std::to_string(version) + ") and drained pushes from rank " +
+                             std::to_string(missing) + " (wait_complete)";
+    {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      if (!client_failure_[missing].empty()) throw PeerError(what + ": " + client_failure_[missing]);
+    }
+    if (peers_[missing]->transport == Transport::kShm) check_peer_alive(*peers_[missing], what);
+    double now = now_seconds();
+    if (now > deadline)
+      throw TimeoutError("rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_s_) +
+                         " s " + what);
+    futex_wait(&seg_->doorbell, seen, std::min(0.05, deadline - now));
+  }
+  completed_version_.store(version);
+  accumulating_version_.store(version + 1);
+}
+
+void Runtime::fetch_grad(int unit, float* out, int64_t out_numel) {
+  check_open("fetch_grad");
+  check_unit(unit, "fetch_grad");
+  int64_t completed = completed_version_.load();
+  if (completed < 0 || last_fetched_[unit] >= completed)
+    throw Error("fetch_grad: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) +
+                ": no completed minibatch to fetch (call wait_complete(version) first; last completed " +
+                std::to_string(completed) + ")");
+  if (out_numel != shards_[unit])
+    throw Error("fetch_grad: unit " + std::to_string(unit) + " shard holds " + std::to_string(shards_[unit]) +
+                " elements, output " + std::to_string(out_numel));
+  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+  std::memcpy(out, accum_[unit].data(), static_cast<size_t>(shards_[unit]) * 4);
+  std::fill(accum_[unit].begin(), accum_[unit].end(), 0.0f);
+  last_fetched_[unit] = completed;
+}
+
+void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t version) {
+  check_open("publish");
+  check_unit(unit, "publish");
+  if (shard_numel != shards_[unit])
+    throw Error("publish: unit " + std::to_string(unit) + " shard holds " + std::to_string(shards_[unit]) +
+                " elements on rank " + std::to_string(rank_) + ", got " + std::to_string(shard_numel));
+  UnitEntry* e = seg_->unit(unit);
+  int64_t cur = e->version.load();
+  if (version <= cur)
+    throw Error("publish: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) + " is at version " +
+                std::to_string(cur) + "; version " + std::to_string(version) + " does not move it forward");
+  if (version > completed_version_.load() + 1)
+    throw Error("publish: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) + " version " +
+                std::to_string(version) + " before minibatch " + std::to_string(version - 1) +
+                " completed (wait_complete first)");
+  std::memcpy(seg_->master(unit), shard, static_cast<size_t>(shard_numel) * 4);
+  e->version.store(version, std::memory_order_release);
+  signal_event(&seg_->pub_seq);
+}
+
+int64_t Runtime::published_version(int unit) const {
+  check_unit(unit, "published_version");
+  return seg_->unit(unit)->version.load();
+}
+
+void Runtime::read_shard(int unit, float* out, int64_t out_numel) const {
+  check_unit(unit, "read_shard");
+  if (out_numel != shards_[unit]) throw Error("read_shard: wrong output size");
+  std::memcpy(out, seg_->master(unit), static_cast<size_t>(shards_[unit]) * 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TCP server: performs one-sided operations on this rank's segment for remote peers.
+
+void Runtime::wait_published(int unit, int64_t version, const Peer* via, const std::string& what) {
+  UnitEntry* e = seg_->unit(unit);
+  wait_for(&seg_->pub_seq, [&] { return e->version.load(std::memory_order_acquire) >= version; }, via, what);
+}
+
+void Runtime::serve_loop() {
+  while (!stop_.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    int r = poll(&p, 1, 100);
+    if (r <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    net::set_nodelay(fd);
+    std::lock_guard<std::mutex> lock(conn_mu_);
+    conn_fds_.push_back(fd);
+    conn_threads_.emplace_back([this, fd] { serve_connection(fd); });
+  }
+}
+
+void Runtime::serve_connection(int fd) {
+  int client = -1;
+  bool said_bye = false;
+  auto reply_error = [&](const std::string& msg) {
+    WireHeader r{};
+    r.status = 1;
+    r.count = static_cast<int64_t>(msg.size());
+    net::send_all(fd, &r, sizeof(r), timeout_s_, "rank " + std::to_string(client));
+    net::send_all(fd, msg.data(), msg.size(), timeout_s_, "rank " + std::to_string(client));
+  };
+  try {
+    while (!stop_.load()) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      WireHeader h{};
+      const std::string peer_name = "rank " + std::to_string(client);
+      net::recv_all(fd, &h, sizeof(h), timeout_s_, peer_name);
+      if (h.op == kHello) {
+        client = h.rank;
+        WireHeader r{};
+        bool ok = client >= 0 && client < world_ && h.aux == layout_hash_ && h.count == world_;
+        r.status = ok ? 0 : 1;
+        net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+        if (!ok) break;
+        continue;
+      }
+      if (client < 0) break;  // every connection starts with a hello
+      switch (h.op) {
+        case kGather: {
+          if (h.unit < 0 || h.unit >= num_units()) {
+            reply_error("rank " + std::to_string(rank_) + " has no unit " + std::to_string(h.unit));
+            break;
+          }
+          try {
+            wait_published(h.unit, h.version, nullptr,
+                           "publishing unit " + std::to_string(h.unit) + " version " + std::to_string(h.version) +
+                               " for rank " + std::to_string(client));
+          } catch (const Error& e) {
+            reply_error(e.what());
+            break;
+          }
+          const int64_t numel = numels_[h.unit], shard = shards_[h.unit];
+          int64_t lo = std::min<int64_t>(static_cast<int64_t>(rank_) * shard, numel);
+          int64_t n = std::max<int64_t>(0, std::min<int64_t>(shard, numel - lo));
+          WireHeader r{};
+          r.count = n;
+          r.version = seg_->unit(h.unit)->version.load();
+          net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+          net::send_all(fd, seg_->master(h.unit), static_cast<size_t>(n) * 4, timeout_s_, peer_name);
+          break;
+        }
+        case kPush: {
+          if (h.unit < 0 || h.unit >= num_units() || h.count < 0 || h.count > shards_[h.unit])
+            throw PeerError("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
+                            " elements)");
+          SlotHeader* slot = seg_->slot(client);
+          wait_for(&seg_->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; },
+                   nullptr, "draining the receive slot of rank " + std::to_string(client));
+          // The slot is marked full only after every byte arrived: a client that dies
+          // mid-push leaves the accumulator untouched.
+          net::recv_all(fd, seg_->slot_data(client), static_cast<size_t>(h.count) * 4, timeout_s_, peer_name);
+          slot->unit = h.unit;
+          slot->version = h.version;
+          slot->count = h.count;
+          slot->state.store(kSlotFull, std::memory_order_release);
+          signal_event(&seg_->doorbell);
+          break;
+        }
+        case kDone:
+          seg_->done(client)->store(h.version, std::memory_order_release);
+          signal_event(&seg_->doorbell);
+          break;
+        case kScalar: {
+          try {
+            wait_scalar(seg_, h.version, nullptr,
+                        "posting the scalar of version " + std::to_string(h.version) + " for rank " +
+                            std::to_string(client));
+          } catch (const Error& e) {
+            reply_error(e.what());
+            break;
+          }
+          WireHeader r{};
+          r.value = seg_->scalar(h.version)->value;
+          net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+          break;
+        }
+        case kTask: {
+          WireHeader r{};
+          try {
+            r.count = local_next_task(h.version);
+          } catch (const Error& e) {
+            r.status = 1;
+          }
+          net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+          break;
+        }
+        case kBye:
+          said_bye = true;
+          break;
+        default:
+          throw PeerError("unknown request " + std::to_string(h.op));
+      }
+      if (said_bye) break;
+    }
+  } catch (const std::exception& e) {
+    if (client >= 0 && !stop_.load()) {
+      std::lock_guard<std::mutex> lock(error_mu_);
+      if (client_failure_[client].empty())
+        client_failure_[client] = std::string("connection from rank ") + std::to_string(client) + " failed: " + e.what();
+    }
+  }
+  if (client >= 0 && !said_bye && !stop_.load()) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (client_failure_[client].empty())
+      client_failure_[client] = "rank " + std::to_string(client) + " closed its connection without saying goodbye";
+    signal_event(&seg_->doorbell);
+  }
+}
+
+void Runtime::close() {
+  if (closed_) return;
+  if (current_runtime() == this) set_current_runtime(nullptr);
+  for (auto& p : peers_) {
+    if (p->transport == Transport::kTcp && p->fd >= 0) {
+      try {
+        std::lock_guard<std::mutex> lock(p->mu);
+        WireHeader h{};
+        h.op = kBye;
+        h.rank = rank_;
+        net::send_all(p->fd, &h, sizeof(h), 1.0, p->name());
+      } catch (...) {
+      }
+    }
+  }
+  if (seg_) signal_event(&seg_->closing);
+  stop_.store(true);
+  if (seg_) {
+    seg_->closing.store(1);
+    futex_wake_all(&seg_->doorbell);
+  }
+  if (daemon_.joinable()) daemon_.join();
+  if (server_.joinable()) server_.join();
+  {
+    std::lock_guard<std::mutex> lock(conn_mu_);
+    for (auto& t : conn_threads_)
+      if (t.joinable()) t.join();
+    for (int& fd : conn_fds_) net::close_fd(fd);
+  }
+  net::close_fd(listen_fd_);
+  for (auto& p : peers_) {
+    net::close_fd(p->fd);
+    if (p->transport == Transport::kShm && p->seg) munmap(p->seg, p->seg_bytes);
+    p->seg = nullptr;
+  }
+  unlink_segment();
+  if (seg_) munmap(seg_, seg_bytes_);
+  seg_ = nullptr;
+  closed_ = true;
+}
+
+int reclaim_stale_segments() {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int removed = 0;
+  while (dirent* ent = readdir(dir)) {
+    std::string name = ent->d_name;
+    if (name.rfind("jaxodc_", 0) != 0) continue;
+    std::string path = "/" + name;
+    int fd = shm_open(path.c_str(), O_RDONLY, 0);
+    if (fd < 0) continue;
+    struct stat st;
+    bool stale = false;
+    if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= sizeof(SegmentHeader)) {
+      void* p = mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        auto* h = static_cast<SegmentHeader*>(p);
+        stale = h->magic == kMagic && !pid_alive(h->pid);
+        munmap(p, sizeof(SegmentHeader));
+      }
+    }
+    ::close(fd);
+    if (stale && shm_unlink(path.c_str()) == 0) ++removed;
+  }
+  closedir(dir);
+  return removed;
+}
+
+}  // namespace jaxodc::odc

@@ -1,0 +1,195 @@
+"""The ODC runtime of one rank: server memory for its shards plus one-sided access to its peers.
+
+Typical use (one process per rank)::
+
+    rt = Runtime.create(unit_sizes, ctx)          # ctx from jaxodc.dist.init_from_env()
+    rt.publish(u, initial_shard, version=0)
+    ... jitted steps gather version v and push gradients for version v ...
+    rt.done(v); rt.wait_complete(v)
+    g = rt.fetch_grad(u); rt.publish(u, new_shard, v + 1)
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from jaxodc._native import C as _C
+
+TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2}
+
+OdcError = _C.OdcError
+OdcTimeoutError = _C.OdcTimeoutError
+PeerError = _C.PeerError
+
+
+class LayoutMismatchError(OdcError):
+    """Ranks registered different unit layouts."""
+
+
+def host_identity() -> str:
+    """Same string on two processes iff they can share POSIX memory (same host, same boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    rank: int
+    host_id: str
+    address: str
+    port: int
+    pid: int
+    shm_name: str
+    unit_sizes: tuple[int, ...]
+
+
+def check_layouts(infos: Sequence[PeerInfo]) -> None:
+    """Raises LayoutMismatchError naming the first rank and unit that differ from rank 0."""
+    ref = infos[0].unit_sizes
+    for info in infos[1:]:
+        if info.unit_sizes == ref:
+            continue
+        if len(info.unit_sizes) != len(ref):
+            raise LayoutMismatchError(
+                f"rank {info.rank} registered {len(info.unit_sizes)} units, rank 0 registered {len(ref)}")
+        unit = next(u for u, (a, b) in enumerate(zip(ref, info.unit_sizes)) if a != b)
+        raise LayoutMismatchError(
+            f"unit {unit} has {info.unit_sizes[unit]} elements on rank {info.rank} but {ref[unit]} on rank 0")
+
+
+def choose_transport(me: PeerInfo, peer: PeerInfo, override: str | Mapping[int, str]) -> str:
+    if peer.rank == me.rank:
+        return "self"
+    if isinstance(override, Mapping):
+        override = override.get(peer.rank, "auto")
+    if override == "auto":
+        return "shm" if peer.host_id == me.host_id else "tcp"
+    if override not in ("shm", "tcp"):
+        raise ValueError(f"unknown ODC transport {override!r} for rank {peer.rank}; use auto, shm or tcp")
+    if override == "shm" and peer.host_id != me.host_id:
+        raise ValueError(f"rank {peer.rank} runs on another host ({peer.host_id}); shm cannot reach it")
+    return override
+
+
+_live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for rt in list(_live):
+        rt.close()
+
+
+class Runtime:
+    """Python face of the native runtime; see the module docstring."""
+
+    def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
+                 transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
+                 listen_host: str | None = None):
+        self.unit_sizes = tuple(int(n) for n in unit_sizes)
+        self.rank, self.world, self.job_id = rank, world, job_id
+        listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
+        self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host)
+        try:
+            advertised = socket.gethostname() if listen_host == "0.0.0.0" else listen_host
+            me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
+                          self._native.shm_name, self.unit_sizes)
+            if world > 1:
+                raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
+                infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
+                         for b in raw]
+            else:
+                infos = [me]
+            check_layouts(infos)
+            self.transports = [choose_transport(me, info, transport) for info in infos]
+            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port, i.pid)
+                                  for i, t in zip(infos, self.transports)])
+            if world > 1:
+                rendezvous.barrier(f"odc/{job_id}/connected", world)
+            # Every peer has mapped our segment: drop its name so a crash leaves nothing behind.
+            self._native.unlink_segment()
+        except BaseException:
+            self._native.close()
+            raise
+        self._native.make_current()
+        self._closed = False
+        _live.add(self)
+
+    @classmethod
+    def create(cls, unit_sizes: Sequence[int], ctx, **kwargs) -> "Runtime":
+        """Builds the runtime from a jaxodc.dist.Context."""
+        return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
+                   job_id=ctx.job_id, **kwargs)
+
+    # Layout -------------------------------------------------------------------------------
+    def shard_size(self, unit: int) -> int:
+        return self._native.shard_size(unit)
+
+    def shard_range(self, unit: int) -> tuple[int, int]:
+        """[lo, hi) of the unit's flat elements this rank owns (clipped to the unit's size)."""
+        shard = self._native.shard_size(unit)
+        n = self.unit_sizes[unit]
+        return min(self.rank * shard, n), min((self.rank + 1) * shard, n)
+
+    # Worker side ----------------------------------------------------------------------------
+    def gather(self, unit: int, version: int, dtype=np.float32) -> np.ndarray:
+        out = np.empty(self.unit_sizes[unit], dtype=dtype)
+        self._native.gather(unit, version, out)
+        return out
+
+    def scatter_accumulate(self, unit: int, version: int, grad: np.ndarray) -> None:
+        self._native.scatter_accumulate(unit, version, np.ascontiguousarray(grad).reshape(-1))
+
+    def done(self, version: int) -> None:
+        self._native.done(version)
+
+    def next_task(self, version: int) -> int:
+        return self._native.next_task(version)
+
+    def allgather_scalar(self, version: int, value: float) -> np.ndarray:
+        return np.asarray(self._native.allgather_scalar(version, float(value)))
+
+    # Owner side -----------------------------------------------------------------------------
+    def wait_complete(self, version: int) -> None:
+        self._native.wait_complete(version)
+
+    def fetch_grad(self, unit: int) -> np.ndarray:
+        return self._native.fetch_grad(unit)
+
+    def publish(self, unit: int, shard, version: int) -> None:
+        self._native.publish(unit, np.ascontiguousarray(shard, dtype=np.float32).reshape(-1), version)
+
+    def published_version(self, unit: int) -> int:
+        return self._native.published_version(unit)
+
+    def read_shard(self, unit: int) -> np.ndarray:
+        return self._native.read_shard(unit)
+
+    def stats(self) -> dict:
+        return self._native.stats()
+
+    def make_current(self) -> None:
+        """Makes the jitted ODC ops of this process use this runtime."""
+        self._native.make_current()
+
+    def close(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._native.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
