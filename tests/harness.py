@@ -154,30 +154,41 @@ def _collect(procs: list[subprocess.Popen], tmp: str, timeout_s: float) -> list:
         if not running or (fail_deadline is not None and time.monotonic() > fail_deadline):
             break
         if time.monotonic() > deadline:
+            # Ranks that already returned a result are only waiting in the final barrier.
+            stuck = [r for r in running
+                     if not os.path.exists(os.path.join(tmp, f"result{r}.pkl"))]
+            returned = [r for r in running if r not in stuck]
             for p in procs:
                 _kill_group(p)
             report = "\n".join(f"--- rank {r} output (last {_TAIL} lines) ---\n"
-                               f"{_tail(os.path.join(tmp, f'rank{r}.out'))}" for r in running)
+                               f"{_tail(os.path.join(tmp, f'rank{r}.out'))}" for r in stuck)
+            note = (f"; ranks {returned} had returned and were waiting for them" if returned
+                    else "")
             raise RankTimeout(
-                f"run_ranks: ranks {running} of {world} did not finish within {timeout_s:g} s "
-                f"(killed)\n{report}")
+                f"run_ranks: ranks {stuck} of {world} did not finish within {timeout_s:g} s "
+                f"(killed){note}\n{report}")
         time.sleep(0.02)
+    # Decide who failed before killing anyone: killing rank 0 (the rendezvous server) makes the
+    # survivors raise connection errors that are consequences, not causes.
+    failed = [r for r, p in enumerate(procs) if _failed(r, p, tmp)]
+    killed = [r for r, p in enumerate(procs) if p.poll() is None]
     for p in procs:
         _kill_group(p)
-    failed = [r for r, p in enumerate(procs) if _failed(r, p, tmp)]
     if failed:
         # Ranks that raised come first: the others usually failed because of them.
         raised = [r for r in failed if os.path.exists(os.path.join(tmp, f"error{r}.txt"))]
         parts = []
         for r in raised + [r for r in failed if r not in raised]:
             code = procs[r].returncode
-            how = (f"killed by signal {-code}" if code is not None and code < 0
-                   else f"exit status {code}")
+            how = ("still running when the failure was seen" if r in killed
+                   else f"killed by signal {-code}" if code < 0 else f"exit status {code}")
             err = os.path.join(tmp, f"error{r}.txt")
             tb = open(err).read() if os.path.exists(err) else "(no Python traceback)"
             parts.append(f"--- rank {r} ({how}) ---\n{tb}\n--- rank {r} output (last {_TAIL} "
                          f"lines) ---\n{_tail(os.path.join(tmp, f'rank{r}.out'))}")
-        raise RankFailure(f"run_ranks: ranks {raised or failed} of {world} failed\n"
+        others = [r for r in killed if r not in failed]
+        note = f"; ranks {others} were still running and were killed" if others else ""
+        raise RankFailure(f"run_ranks: ranks {raised or failed} of {world} failed{note}\n"
                           + "\n".join(parts))
     results = []
     for r in range(world):
