@@ -1,0 +1,394 @@
+"""Key-value rendezvous service used to bootstrap a job: rank 0 hosts a `RendezvousServer`, every
+rank talks to it through a `RendezvousClient`.
+
+Wire format: each frame is a 4-byte big-endian length followed by a msgpack map. One request is in
+flight per connection; the server answers every request with one frame:
+``{"ok": True, ...}`` or ``{"ok": False, "error": kind, "msg": text}``.
+
+Requests:
+  ``{"op": "hello", "rank": r}``                                  -> ok
+  ``{"op": "set", "key": k, "value": b}``                          -> ok
+  ``{"op": "get", "key": k, "timeout": s}``                        -> ``{"value": b}`` once k is set
+  ``{"op": "collect", "name": n, "gen": g, "rank": r, "world": w, "value": b, "timeout": s}``
+      -> ``{"values": [b_0, ..., b_{w-1}]}`` once all w ranks contributed to (n, g)
+
+Blocking requests wait on a condition variable inside the server (no client polling); the wait
+ends after the client's timeout and the client raises `TimeoutError`.
+
+Name reuse: `allgather` / `barrier` may be called repeatedly with the same name. Each client counts
+its calls per name (a generation), so the k-th call of a name on every rank meets the k-th call on
+every other rank. Every rank must therefore make the same sequence of calls for a given name. A
+finished round is deleted from the server once all ranks have received their answer, so repeated
+barriers do not grow the server's memory.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+
+__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "MAX_FRAME"]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 256 << 20  # a frame longer than this is treated as garbage, not allocated
+_HDR = struct.Struct(">I")
+# Extra seconds the client waits on the socket beyond a server-side wait, so the server's
+# timeout reply (which names the key) arrives before the socket gives up.
+_REPLY_MARGIN_S = 5.0
+
+
+class RendezvousError(RuntimeError):
+    """The server rejected a request (e.g. mismatched world size) or the connection was lost."""
+
+
+class _FrameError(Exception):
+    pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> dict | None:
+    """Next decoded frame; None on clean EOF before a header; _FrameError on garbage."""
+    hdr = _recv_exact(sock, _HDR.size)
+    if hdr is None:
+        return None
+    (n,) = _HDR.unpack(hdr)
+    if n > MAX_FRAME:
+        raise _FrameError(f"frame length {n} exceeds {MAX_FRAME}")
+    body = _recv_exact(sock, n)
+    if body is None:
+        raise _FrameError(f"connection closed inside a {n}-byte frame")
+    try:
+        msg = msgpack.unpackb(body, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise _FrameError(f"undecodable msgpack frame: {e}") from None
+    if not isinstance(msg, dict):
+        raise _FrameError(f"frame is a {type(msg).__name__}, expected a map")
+    return msg
+
+
+def _send_frame(sock: socket.socket, msg: dict) -> None:
+    body = msgpack.packb(msg, use_bin_type=True)
+    sock.sendall(_HDR.pack(len(body)) + body)
+
+
+class _Round:
+    """One generation of an allgather: contributions by rank, and how many ranks were answered."""
+
+    __slots__ = ("world", "values", "answered")
+
+    def __init__(self, world: int):
+        self.world = world
+        self.values: dict[int, bytes] = {}
+        self.answered = 0
+
+
+class RendezvousServer:
+    """Threaded TCP key-value server. Starts serving in a daemon thread on construction."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        # create_server sets SO_REUSEADDR, so a port just probed free by a launcher binds.
+        self._sock = socket.create_server((host, port), backlog=128)
+        bound_port = self._sock.getsockname()[1]
+        self.host = host
+        self.port = bound_port
+        self.address = f"{host}:{bound_port}"
+        self._cond = threading.Condition()
+        self._kv: dict[str, bytes] = {}
+        self._rounds: dict[tuple[str, int], _Round] = {}
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self.requests = 0  # requests answered so far (lets tests see that waits are server-side)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"rendezvous-accept-{bound_port}", daemon=True
+        )
+        self._thread.start()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection and wake every blocked request."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+            self._cond.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5.0)
+
+    @property
+    def num_connections(self) -> int:
+        with self._cond:
+            return len(self._conns)
+
+    def wait_for_disconnects(self, timeout_s: float) -> bool:
+        """Wait until every client has hung up (True) or timeout_s passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_connections:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def __enter__(self) -> "RendezvousServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # listening socket closed
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(
+                target=self._serve_conn, args=(conn, peer), name=f"rendezvous-conn-{peer}",
+                daemon=True,
+            ).start()
+
+    def _serve_conn(self, conn: socket.socket, peer) -> None:
+        who = f"{peer[0]}:{peer[1]}"
+        try:
+            while True:
+                try:
+                    msg = _recv_frame(conn)
+                except _FrameError as e:
+                    log.warning("rendezvous %s: closing connection from %s: %s", self.address, who, e)
+                    return
+                if msg is None:
+                    return
+                if msg.get("op") == "hello":
+                    who = f"rank {msg.get('rank')} ({peer[0]}:{peer[1]})"
+                try:
+                    reply = self._handle(msg)
+                except _FrameError as e:
+                    log.warning("rendezvous %s: closing connection from %s: %s", self.address, who, e)
+                    return
+                with self._cond:
+                    self.requests += 1
+                _send_frame(conn, reply)
+        except OSError:
+            return  # peer went away or server closed
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, msg: dict) -> dict:
+        op = msg.get("op")
+        try:
+            if op == "hello":
+                return {"ok": True}
+            if op == "set":
+                key, value = msg["key"], msg["value"]
+                if not isinstance(key, str) or not isinstance(value, bytes):
+                    raise _FrameError("set needs a str key and a bytes value")
+                with self._cond:
+                    self._kv[key] = value
+                    self._cond.notify_all()
+                return {"ok": True}
+            if op == "get":
+                key, timeout = msg["key"], float(msg["timeout"])
+                if not isinstance(key, str):
+                    raise _FrameError("get needs a str key")
+                return self._get(key, timeout)
+            if op == "collect":
+                return self._collect(
+                    str(msg["name"]), int(msg["gen"]), int(msg["rank"]), int(msg["world"]),
+                    msg["value"], float(msg["timeout"]),
+                )
+        except (KeyError, TypeError, ValueError) as e:
+            raise _FrameError(f"malformed {op!r} request: {e!r}") from None
+        raise _FrameError(f"unknown op {op!r}")
+
+    def _wait(self, pred, timeout: float) -> bool:
+        """Wait on the condition (held by the caller) until pred() or timeout or close."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not pred():
+            if self._closed:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
+    def _get(self, key: str, timeout: float) -> dict:
+        with self._cond:
+            if self._wait(lambda: key in self._kv, timeout):
+                return {"ok": True, "value": self._kv[key]}
+            return self._fail_wait(f"key {key!r} was not set within {timeout:g} s")
+
+    def _fail_wait(self, what: str) -> dict:
+        if self._closed:
+            return {"ok": False, "error": "closed", "msg": "rendezvous server is shutting down"}
+        return {"ok": False, "error": "timeout", "msg": what}
+
+    def _collect(self, name: str, gen: int, rank: int, world: int, value, timeout: float) -> dict:
+        if not isinstance(value, bytes):
+            raise _FrameError("collect needs a bytes value")
+        if world < 1 or not 0 <= rank < world:
+            return {"ok": False, "error": "invalid",
+                    "msg": f"rank {rank} is outside world size {world} in {name!r}"}
+        key = (name, gen)
+        with self._cond:
+            rnd = self._rounds.get(key)
+            if rnd is None:
+                rnd = self._rounds[key] = _Round(world)
+            if rnd.world != world:
+                return {"ok": False, "error": "invalid",
+                        "msg": f"rank {rank} called {name!r} (round {gen}) with world size {world},"
+                               f" another rank with {rnd.world}"}
+            if rank in rnd.values:
+                return {"ok": False, "error": "invalid",
+                        "msg": f"rank {rank} contributed twice to {name!r} (round {gen})"}
+            rnd.values[rank] = value
+            self._cond.notify_all()
+            if not self._wait(lambda: len(rnd.values) == world, timeout):
+                missing = sorted(set(range(world)) - set(rnd.values))
+                return self._fail_wait(
+                    f"{name!r} (round {gen}) incomplete after {timeout:g} s: ranks {missing} of "
+                    f"{world} have not arrived")
+            values = [rnd.values[r] for r in range(world)]
+            rnd.answered += 1
+            if rnd.answered == world:
+                del self._rounds[key]  # everyone has its answer: free the round
+            return {"ok": True, "values": values}
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"rendezvous address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class RendezvousClient:
+    """Client of a `RendezvousServer`. Thread-safe (requests on one client are serialised)."""
+
+    def __init__(self, address: str, rank: int, timeout_s: float = 60.0):
+        self.address = address
+        self.rank = int(rank)
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._gens: dict[str, int] = {}
+        host, port = _split_address(address)
+        deadline = time.monotonic() + self.timeout_s
+        delay, last = 0.02, None
+        # The server may not be up yet (rank 0 still starting): retry until the timeout.
+        while True:
+            try:
+                self._sock = socket.create_connection(
+                    (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                break
+            except OSError as e:
+                last = e
+            if time.monotonic() + delay > deadline:
+                raise TimeoutError(
+                    f"rendezvous: rank {self.rank} could not connect to {address} within "
+                    f"{self.timeout_s:g} s (last error: {last})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._request({"op": "hello", "rank": self.rank}, self.timeout_s, "hello")
+
+    def _request(self, msg: dict, wait_s: float, what: str) -> dict:
+        with self._lock:
+            if self._sock is None:
+                raise RendezvousError(f"rendezvous: rank {self.rank} client is closed ({what})")
+            try:
+                self._sock.settimeout(wait_s + _REPLY_MARGIN_S)
+                _send_frame(self._sock, msg)
+                reply = _recv_frame(self._sock)
+            except socket.timeout:
+                raise TimeoutError(
+                    f"rendezvous: rank {self.rank} got no reply from {self.address} for {what} "
+                    f"within {wait_s + _REPLY_MARGIN_S:g} s") from None
+            except (OSError, _FrameError) as e:
+                raise RendezvousError(
+                    f"rendezvous: rank {self.rank} lost the connection to {self.address} during "
+                    f"{what}: {e}") from None
+            if reply is None:
+                raise RendezvousError(
+                    f"rendezvous: rank {self.rank}: server {self.address} closed the connection "
+                    f"during {what}")
+        if not reply.get("ok"):
+            text = f"rendezvous: rank {self.rank}: {what}: {reply.get('msg')}"
+            if reply.get("error") == "timeout":
+                raise TimeoutError(text)
+            raise RendezvousError(text)
+        return reply
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else float(timeout_s)
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store value under key (overwrites) and wake every rank waiting on it."""
+        self._request({"op": "set", "key": str(key), "value": bytes(value)}, self.timeout_s,
+                      f"set {key!r}")
+
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """Value of key, waiting (server-side) until some rank sets it."""
+        t = self._timeout(timeout_s)
+        return self._request({"op": "get", "key": str(key), "timeout": t}, t,
+                             f"get {key!r}")["value"]
+
+    def allgather(self, name: str, value: bytes, world: int,
+                  timeout_s: float | None = None) -> list[bytes]:
+        """Every rank's value for this round of `name`, indexed by rank."""
+        t = self._timeout(timeout_s)
+        gen = self._gens.get(name, 0)
+        self._gens[name] = gen + 1
+        reply = self._request(
+            {"op": "collect", "name": str(name), "gen": gen, "rank": self.rank, "world": int(world),
+             "value": bytes(value), "timeout": t},
+            t, f"allgather {name!r} (round {gen}, world {world})")
+        return list(reply["values"])
+
+    def barrier(self, name: str, world: int, timeout_s: float | None = None) -> None:
+        """Return once all `world` ranks reached this round of barrier `name`."""
+        self.allgather("barrier/" + name, b"", world, timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def __enter__(self) -> "RendezvousClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
