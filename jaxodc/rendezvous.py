@@ -184,17 +184,14 @@ class RendezvousServer:
             while True:
                 try:
                     msg = _recv_frame(conn)
-                except _FrameError as e:
-                    log.warning("rendezvous %s: closing connection from %s: %s", self.address, who, e)
-                    return
-                if msg is None:
-                    return
-                if msg.get("op") == "hello":
-                    who = f"rank {msg.get('rank')} ({peer[0]}:{peer[1]})"
-                try:
+                    if msg is None:
+                        return
+                    if msg.get("op") == "hello":
+                        who = f"rank {msg.get('rank')} ({peer[0]}:{peer[1]})"
                     reply = self._handle(msg)
                 except _FrameError as e:
-                    log.warning("rendezvous %s: closing connection from %s: %s", self.address, who, e)
+                    log.warning("rendezvous %s: closing connection from %s: %s",
+                                self.address, who, e)
                     return
                 with self._cond:
                     self.requests += 1
@@ -303,7 +300,8 @@ class RendezvousClient:
         self.rank = int(rank)
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
-        self._gens: dict[str, int] = {}
+        self._gens: dict[str, int] = {}  # allgather/barrier rounds used per name
+        self._gen_lock = threading.Lock()
         host, port = _split_address(address)
         deadline = time.monotonic() + self.timeout_s
         delay, last = 0.02, None
@@ -333,14 +331,17 @@ class RendezvousClient:
                 _send_frame(self._sock, msg)
                 reply = _recv_frame(self._sock)
             except socket.timeout:
+                self._drop()  # a late reply would be read as the answer to the next request
                 raise TimeoutError(
                     f"rendezvous: rank {self.rank} got no reply from {self.address} for {what} "
                     f"within {wait_s + _REPLY_MARGIN_S:g} s") from None
             except (OSError, _FrameError) as e:
+                self._drop()
                 raise RendezvousError(
                     f"rendezvous: rank {self.rank} lost the connection to {self.address} during "
                     f"{what}: {e}") from None
             if reply is None:
+                self._drop()
                 raise RendezvousError(
                     f"rendezvous: rank {self.rank}: server {self.address} closed the connection "
                     f"during {what}")
@@ -350,6 +351,12 @@ class RendezvousClient:
                 raise TimeoutError(text)
             raise RendezvousError(text)
         return reply
+
+    def _drop(self) -> None:
+        """Close a connection whose request/reply pairing can no longer be trusted (lock held)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else float(timeout_s)
@@ -369,8 +376,9 @@ class RendezvousClient:
                   timeout_s: float | None = None) -> list[bytes]:
         """Every rank's value for this round of `name`, indexed by rank."""
         t = self._timeout(timeout_s)
-        gen = self._gens.get(name, 0)
-        self._gens[name] = gen + 1
+        with self._gen_lock:
+            gen = self._gens.get(name, 0)
+            self._gens[name] = gen + 1
         reply = self._request(
             {"op": "collect", "name": str(name), "gen": gen, "rank": self.rank, "world": int(world),
              "value": bytes(value), "timeout": t},

@@ -44,7 +44,7 @@ WORKER_ENV = {
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
     "OMP_NUM_THREADS": "1",
 }
-_FAIL_GRACE_S = 3.0  # after one rank fails, how long the others may take to finish on their own
+_FAIL_GRACE_S = 2.0  # after one rank fails, how long the others may take to finish on their own
 _TAIL = 40
 
 
