@@ -88,7 +88,7 @@ _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 @atexit.register
 def _close_all() -> None:
     for rt in list(_live):
-        rt.close()
+        rt.close(barrier=False)
 
 
 class Runtime:
@@ -123,6 +123,7 @@ class Runtime:
             self._native.close()
             raise
         self._native.make_current()
+        self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._closed = False
         _live.add(self)
 
@@ -139,12 +140,12 @@ class Runtime:
     def shard_range(self, unit: int) -> tuple[int, int]:
         """[lo, hi) of the unit's flat elements this rank owns (clipped to the unit's size)."""
         shard = self._native.shard_size(unit)
-        n = self.unit_sizes[unit]
+        n = self._native.numel(unit)
         return min(self.rank * shard, n), min((self.rank + 1) * shard, n)
 
     # Worker side ----------------------------------------------------------------------------
     def gather(self, unit: int, version: int, dtype=np.float32) -> np.ndarray:
-        out = np.empty(self.unit_sizes[unit], dtype=dtype)
+        out = np.empty(self._native.numel(unit), dtype=dtype)
         self._native.gather(unit, version, out)
         return out
 
@@ -183,13 +184,20 @@ class Runtime:
         """Makes the jitted ODC ops of this process use this runtime."""
         self._native.make_current()
 
-    def close(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._closed = True
+    def close(self, barrier: bool = True) -> None:
+        """Shuts the runtime down. With `barrier`, first waits until every rank is closing, so no
+        peer still reading this rank's shards loses them; pass False after a failure."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if barrier and self.world > 1:
+                self._rendezvous.barrier(f"odc/{self.job_id}/close", self.world, self._timeout_s)
+        finally:
             self._native.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(barrier=exc_type is None)

@@ -1,0 +1,401 @@
+"""ODC primitives across processes: gather, scatter-accumulate, the version protocol, jax.grad
+through odc_gather, and the fault cases (bad input, dead peers, timeouts, shared-memory leaks)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from harness import RankFailure, run_ranks
+
+UNIT_SIZES = [1, 7, 1000, 12345]
+
+
+def unit_values(unit, numel, version, seed=0):
+    """Deterministic full contents of a unit at a version (every rank can recompute them)."""
+    return np.random.default_rng([seed, unit, version]).standard_normal(numel).astype(np.float32)
+
+
+def make_runtime(ctx, sizes=UNIT_SIZES, transport="auto", timeout_s=30.0):
+    from jaxodc.odc import Runtime
+    return Runtime.create(sizes, ctx, transport=transport, timeout_s=timeout_s)
+
+
+def publish_all(rt, version, seed=0):
+    for u, n in enumerate(rt.unit_sizes):
+        lo, hi = rt.shard_range(u)
+        shard = np.zeros(rt.shard_size(u), np.float32)
+        shard[: hi - lo] = unit_values(u, n, version, seed)[lo:hi]
+        rt.publish(u, shard, version)
+
+
+def shm_entries(job_id, rank=None):
+    prefix = f"jaxodc_{job_id}_" + ("" if rank is None else str(rank))
+    return sorted(n for n in os.listdir("/dev/shm") if n == prefix or (rank is None and n.startswith(prefix)))
+
+
+# -- gather --------------------------------------------------------------------------------------
+
+def gather_body(ctx, transport):
+    rt = make_runtime(ctx, transport=transport)
+    publish_all(rt, 0)
+    leftover = shm_entries(ctx.job_id, ctx.rank)
+    for u, n in enumerate(UNIT_SIZES):
+        np.testing.assert_array_equal(rt.gather(u, 0), unit_values(u, n, 0))
+    rt.close()
+    return rt.transports, leftover
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gather_is_exact_concatenation(world, transport):
+    results = run_ranks(gather_body, world, args=(transport,))
+    for rank, (transports, leftover) in enumerate(results):
+        assert transports[rank] == "self"
+        assert all(t == transport for r, t in enumerate(transports) if r != rank)
+        # Segment names are dropped once every peer mapped them: a crash cannot leak them.
+        assert leftover == []
+
+
+# -- scatter-accumulate ----------------------------------------------------------------------------
+
+def pushes_of(rank, world, seed):
+    """Random number of pushes per rank (rank 1 pushes nothing), each a dict unit -> gradient."""
+    counts = np.random.default_rng([seed, 99]).integers(1, 4, size=world)
+    counts[1 % world] = 0
+    rng = np.random.default_rng([seed, rank])
+    return [{u: rng.standard_normal(n).astype(np.float32) for u, n in enumerate(UNIT_SIZES)}
+            for _ in range(counts[rank])]
+
+
+def scatter_body(ctx, transport, seed):
+    rt = make_runtime(ctx, transport=transport)
+    publish_all(rt, 0)
+    for push in pushes_of(ctx.rank, ctx.world, seed):
+        for u, g in push.items():
+            rt.scatter_accumulate(u, 0, g)
+    rt.done(0)
+    rt.wait_complete(0)
+    out = {}
+    for u, n in enumerate(UNIT_SIZES):
+        total = np.zeros(n, np.float64)
+        for r in range(ctx.world):
+            for push in pushes_of(r, ctx.world, seed):
+                total += push[u]
+        lo, hi = rt.shard_range(u)
+        got = rt.fetch_grad(u)
+        np.testing.assert_allclose(got[: hi - lo], total[lo:hi], rtol=1e-5, atol=1e-5)
+        assert np.all(got[hi - lo:] == 0)  # padding never receives anything
+        out[u] = got[: hi - lo]
+    stats = rt.stats()
+    rt.close()
+    return stats
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_scatter_accumulate_equals_numpy_sum(world, transport):
+    stats = run_ranks(scatter_body, world, args=(transport, world * 10))
+    for s in stats:
+        # All receive slots of a rank together hold one (padded) unit: the paper's bound.
+        max_padded = max(-(-n // world) * world for n in UNIT_SIZES) * 4
+        assert s["slot_bytes"] == max_padded
+
+
+def psum_scatter_body(ctx, seed):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxodc.dist import init_jax_distributed
+    init_jax_distributed(ctx)
+    rt = make_runtime(ctx)
+    publish_all(rt, 0)
+    local_sum = {u: np.zeros(n, np.float32) for u, n in enumerate(UNIT_SIZES)}
+    for push in pushes_of(ctx.rank, ctx.world, seed):
+        for u, g in push.items():
+            rt.scatter_accumulate(u, 0, g)
+            local_sum[u] += g
+    rt.done(0)
+    rt.wait_complete(0)
+    mesh = Mesh(np.array(jax.devices()), ("r",))
+    for u, n in enumerate(UNIT_SIZES):
+        padded = rt.shard_size(u) * ctx.world
+        x = np.zeros(padded, np.float32)
+        x[:n] = local_sum[u]
+        arr = jax.make_array_from_process_local_data(
+            jax.sharding.NamedSharding(mesh, P("r")), x[None, :], (ctx.world, padded))
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum_scatter(a[0], "r", scatter_dimension=0, tiled=True)[None],
+                                  mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+        ref = np.asarray(f(arr).addressable_data(0))[0]
+        np.testing.assert_allclose(rt.fetch_grad(u), ref, rtol=1e-5, atol=1e-5)
+    rt.close()
+    return True
+
+
+def test_scatter_accumulate_matches_gloo_psum_scatter():
+    assert run_ranks(psum_scatter_body, 2, args=(7,), timeout_s=120) == [True, True]
+
+
+# -- version protocol ------------------------------------------------------------------------------
+
+def race_body(ctx, transport):
+    rt = make_runtime(ctx, transport=transport)
+    publish_all(rt, 0)
+    for u, n in enumerate(UNIT_SIZES):
+        rt.scatter_accumulate(u, 0, np.ones(n, np.float32))
+    rt.done(0)
+    rt.wait_complete(0)
+    if ctx.rank == 0:
+        time.sleep(0.5)  # the slow owner: rank 1 races ahead meanwhile
+    for u in range(len(UNIT_SIZES)):
+        rt.fetch_grad(u)
+    publish_all(rt, 1)
+    start = time.monotonic()
+    got = [rt.gather(u, 1) for u in range(len(UNIT_SIZES))]
+    waited = time.monotonic() - start
+    for u, n in enumerate(UNIT_SIZES):
+        np.testing.assert_array_equal(got[u], unit_values(u, n, 1))
+    rt.close()
+    return waited
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_rank_racing_ahead_reads_new_version(transport):
+    waited = run_ranks(race_body, 2, args=(transport,))
+    assert waited[1] > 0.3, "rank 1 must have blocked until rank 0 published version 1"
+
+
+# -- jax.grad through odc_gather ---------------------------------------------------------------------
+
+def _loss(w1, w2, x):
+    import jax.numpy as jnp
+    h = jnp.tanh(x @ w1.reshape(5, 9))
+    return jnp.sum((h @ w2.reshape(9, 3)) ** 2)
+
+
+def grad_body(ctx):
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.ops import odc_gather
+    sizes = [45, 27]
+    rt = make_runtime(ctx, sizes=sizes)
+    full = [unit_values(u, n, 0) for u, n in enumerate(sizes)]
+    for u in range(2):
+        lo, hi = rt.shard_range(u)
+        shard = np.zeros(rt.shard_size(u), np.float32)
+        shard[: hi - lo] = full[u][lo:hi]
+        rt.publish(u, shard, 0)
+    shards = [jnp.asarray(rt.read_shard(u)) for u in range(2)]
+
+    def loss(s1, s2, x, version):
+        w1 = odc_gather(s1, version, unit=0, numel=45)
+        w2 = odc_gather(s2, version, unit=1, numel=27)
+        return _loss(w1, w2, x)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    xs = [np.random.default_rng([r, 5]).standard_normal((4, 5)).astype(np.float32) for r in range(ctx.world)]
+    local_grads = step(shards[0], shards[1], xs[ctx.rank], 0)
+    assert all(np.all(np.asarray(g) == 0) for g in local_grads)
+    rt.done(0)
+    rt.wait_complete(0)
+    ref = [np.zeros(45, np.float32), np.zeros(27, np.float32)]
+    for x in xs:
+        g1, g2 = jax.grad(_loss, argnums=(0, 1))(full[0], full[1], x)
+        ref[0] += np.asarray(g1)
+        ref[1] += np.asarray(g2)
+    for u in range(2):
+        lo, hi = rt.shard_range(u)
+        np.testing.assert_allclose(rt.fetch_grad(u)[: hi - lo], ref[u][lo:hi], rtol=1e-5, atol=1e-5)
+    rt.close()
+    return True
+
+
+def test_grad_through_gather_reaches_owners():
+    assert run_ranks(grad_body, 2, timeout_s=90) == [True, True]
+
+
+def bf16_body(ctx):
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.ops import odc_gather
+    rt = make_runtime(ctx, sizes=[33])
+    publish_all(rt, 0)
+    shard = jnp.asarray(rt.read_shard(0))
+    got = jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=33, dtype=jnp.bfloat16))(shard)
+    ref = jnp.asarray(unit_values(0, 33, 0)).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+    rt.close()
+    return True
+
+
+def test_gather_casts_to_bf16_like_jax():
+    assert run_ranks(bf16_body, 2) == [True, True]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+def layout_body(ctx):
+    from jaxodc.odc import LayoutMismatchError
+    sizes = [10, 20] if ctx.rank == 0 else [10, 21]
+    try:
+        make_runtime(ctx, sizes=sizes)
+    except LayoutMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_layouts_name_rank_and_unit():
+    msgs = run_ranks(layout_body, 2)
+    for m in msgs:
+        assert "unit 1" in m and "rank 1" in m and "21" in m
+
+
+def bad_input_body(ctx):
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.odc import OdcError
+    from jaxodc.ops import odc_gather
+    errors = {}
+    rt = make_runtime(ctx, sizes=[10, 20])
+    with pytest.raises(OdcError) as e:
+        rt.publish(0, np.zeros(3, np.float32), 0)
+    errors["publish_shape"] = str(e.value)
+    with pytest.raises(OdcError) as e:
+        rt.gather(7, 0)
+    errors["unknown_unit"] = str(e.value)
+    with pytest.raises(OdcError) as e:
+        rt.fetch_grad(0)
+    errors["fetch_early"] = str(e.value)
+    publish_all(rt, 0)
+    with pytest.raises(Exception) as e:
+        jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=10))(jnp.zeros(4, jnp.float32))
+    errors["ffi_shard_shape"] = str(e.value)
+    with pytest.raises(Exception) as e:
+        jax.jit(lambda s: odc_gather(s, 0, unit=3, numel=10))(jnp.zeros(5, jnp.float32))
+    errors["ffi_unknown_unit"] = str(e.value)
+    with pytest.raises(TypeError) as e:
+        odc_gather(jnp.zeros(5, jnp.int32), 0, unit=0, numel=10)
+    errors["dtype"] = str(e.value)
+    with pytest.raises(NotImplementedError) as e:
+        jax.vmap(lambda s: odc_gather(s, 0, unit=0, numel=10))(jnp.zeros((2, 5), jnp.float32))
+    errors["vmap"] = str(e.value)
+    rt.close()
+    return errors
+
+
+def test_bad_input_raises_clear_errors():
+    errors = run_ranks(bad_input_body, 2)[0]
+    assert "unit 0" in errors["publish_shape"] and "5" in errors["publish_shape"]
+    assert "no unit 7" in errors["unknown_unit"]
+    assert "wait_complete" in errors["fetch_early"]
+    assert "unit 0" in errors["ffi_shard_shape"] and "expected 5" in errors["ffi_shard_shape"]
+    assert "no unit 3" in errors["ffi_unknown_unit"]
+    assert "unit 0" in errors["dtype"]
+    assert "vmap" in errors["vmap"]
+
+
+def before_init_body(ctx):
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.ops import odc_gather
+    try:
+        jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=4))(jnp.zeros(4, jnp.float32)).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - any jax error type; the message is what matters
+        return str(e)
+    return "no error"
+
+
+def test_use_before_init_is_an_error():
+    assert "not initialised" in run_ranks(before_init_body, 1)[0]
+
+
+# -- faults: dead peers and timeouts -------------------------------------------------------------------
+
+def dying_body(ctx, mode, transport, report):
+    rt = make_runtime(ctx, sizes=[1000], transport=transport, timeout_s=20.0)
+    if ctx.rank == 1:
+        if mode == "push":
+            rt.scatter_accumulate(0, 0, np.ones(1000, np.float32))
+        else:
+            publish_all(rt, 0)
+        ctx.barrier("ready")
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish_all(rt, 0)
+    ctx.barrier("ready")
+    start = time.monotonic()
+    try:
+        if mode == "gather":
+            rt.gather(0, 1)  # rank 1 will never publish version 1
+        else:
+            rt.done(0)
+            rt.wait_complete(0)
+        result = {"error": "none"}
+    except Exception as e:  # noqa: BLE001
+        result = {"error": type(e).__name__, "message": str(e)}
+    result["seconds"] = time.monotonic() - start
+    result["leftover"] = shm_entries(ctx.job_id, 0)
+    with open(report, "w") as f:
+        json.dump(result, f)
+    rt.close(barrier=False)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["gather", "push"])
+def test_peer_killed_mid_operation_raises_naming_it(tmp_path, mode, transport):
+    report = tmp_path / "rank0.json"
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(dying_body, 2, args=(mode, transport, str(report)), timeout_s=60)
+    assert "rank 1" in str(failure.value)  # the harness reports the killed rank
+    result = json.loads(report.read_text())
+    assert result["error"] in ("PeerError", "OdcTimeoutError"), result
+    if transport == "shm" or mode == "push":
+        assert result["error"] == "PeerError", result
+        assert "rank 1" in result["message"], result
+        assert result["seconds"] < 5, result
+    assert result["leftover"] == []
+
+
+def timeout_body(ctx):
+    from jaxodc.odc import OdcTimeoutError
+    rt = make_runtime(ctx, sizes=[100], timeout_s=1.0)
+    publish_all(rt, 0)
+    if ctx.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(OdcTimeoutError) as e:
+            rt.gather(0, 1)
+        elapsed = time.monotonic() - start
+        ctx.barrier("checked")
+        rt.close()
+        return str(e.value), elapsed
+    ctx.barrier("checked")
+    rt.close()
+    return None
+
+
+def test_gather_timeout_names_unit_and_owner():
+    msg, elapsed = run_ranks(timeout_body, 2)[0]
+    assert "rank 1" in msg and "unit 0" in msg and "version 1" in msg
+    assert 0.9 < elapsed < 5
+
+
+def test_segments_of_a_crashed_rank_are_reclaimed():
+    code = (
+        "import os, signal, sys\n"
+        "from jaxodc._native import C\n"
+        "rt = C.OdcRuntime(0, 2, sys.argv[1], [64], 5.0, '127.0.0.1')\n"
+        "print(rt.shm_name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    job = f"reclaimtest{os.getpid()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert shm_entries(job) == [f"jaxodc_{job}_0"]
+    from jaxodc._native import C
+    assert C.odc_reclaim_stale_segments() >= 1
+    assert shm_entries(job) == []
