@@ -39,7 +39,7 @@ if [ -n "${JAXODC_BAZEL_OUTPUT_USER_ROOT:-}" ]; then
   startup+=("--output_user_root=$JAXODC_BAZEL_OUTPUT_USER_ROOT")
 fi
 trap 'bazel "${startup[@]}" shutdown >/dev/null 2>&1 || true' EXIT
-flags=(--color=no --curses=no)
+flags=(--color=no --curses=no "--repo_env=JAXODC_PYTHON=$JAXODC_PYTHON")
 
 t0=$SECONDS
 say "bazel build //..."
