@@ -1,0 +1,88 @@
+"""Prints, as JSON, where the build's Python-side inputs live for the interpreter running it.
+
+Run by the `jaxodc_configure` repository rule (bazel/configure.bzl). CUDA discovery mirrors
+setup.py's find_cuda(): JAXODC_CUDA=0 disables, =1 requires; candidates are $CUDA_HOME/bin/nvcc,
+nvcc on PATH, /usr/local/cuda/bin/nvcc, then the pip wheel's nvidia/cu13/bin/nvcc; the first one
+whose root has libcudart_static.a wins.
+"""
+import glob
+import json
+import os
+import shutil
+import sys
+import sysconfig
+
+
+def fail(msg):
+    sys.stderr.write("jaxodc bazel configure: %s (interpreter %s)\n" % (msg, sys.executable))
+    sys.exit(1)
+
+
+def cudart_static(root):
+    hits = sorted(glob.glob(os.path.join(root, "lib*", "libcudart_static.a")) +
+                  glob.glob(os.path.join(root, "lib*", "*", "libcudart_static.a")))
+    return hits[0] if hits else None
+
+
+def find_cuda():
+    mode = os.environ.get("JAXODC_CUDA", "")
+    if mode == "0":
+        return None
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    if shutil.which("nvcc"):
+        candidates.append(shutil.which("nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            candidates.append(os.path.join(base, "cu13", "bin", "nvcc"))
+    except ImportError:
+        pass
+    for nvcc in candidates:
+        if os.path.isfile(nvcc) and os.access(nvcc, os.X_OK):
+            root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+            lib = cudart_static(root)
+            if lib:
+                return {"nvcc": os.path.realpath(nvcc), "root": root, "cudart_static": lib,
+                        "include": os.path.join(root, "include")}
+    if mode == "1":
+        fail("JAXODC_CUDA=1 but no nvcc with libcudart_static.a was found")
+    return None
+
+
+def main():
+    try:
+        import nanobind
+    except ImportError:
+        fail("nanobind is not installed")
+    try:
+        import jax.ffi
+    except ImportError:
+        fail("jax is not installed")
+    py_include = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(py_include, "Python.h")):
+        fail("Python.h not found in %s (install the Python development headers)" % py_include)
+    nb_src = nanobind.source_dir()
+    info = {
+        "python": sys.executable,
+        "version": "%d.%d" % sys.version_info[:2],
+        "python_include": py_include,
+        "nanobind_root": os.path.dirname(nb_src),
+        "nanobind_include": nanobind.include_dir(),
+        "nb_combined": os.path.join(nb_src, "nb_combined.cpp"),
+        "robin_map_include": os.path.join(os.path.dirname(nb_src), "ext", "robin_map", "include"),
+        "ffi_include": jax.ffi.include_dir(),
+        "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
+        "cuda": find_cuda(),
+        "cuda_archs": os.environ.get("JAXODC_CUDA_ARCHS", "80;90"),
+    }
+    for key in ("nanobind_include", "nb_combined", "robin_map_include", "ffi_include"):
+        if not os.path.exists(info[key]):
+            fail("%s not found at %s" % (key, info[key]))
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
