@@ -1,7 +1,9 @@
 """Loads the native extension and registers every FFI target it exports with JAX.
 
-Targets come from one `_C.registrations()` dict ({name: {platform: capsule}}). CUDA handlers are
-registered only when the extension was built with CUDA and JAX has a CUDA backend.
+Targets come from one `_C.registrations()` dict ({name: {platform: capsule}}). CUDA handlers exist
+only when the extension was built with CUDA; JAX keeps registrations for a platform it has no
+backend for, so registering never touches (or initialises) a backend — which keeps
+`jax.distributed.initialize()` possible after importing jaxodc.
 """
 from __future__ import annotations
 
@@ -17,22 +19,12 @@ except ImportError as err:  # pragma: no cover - exercised only on a broken inst
         "`python setup.py build_ext --inplace`) in the jaxodc checkout.") from err
 
 
-def _has_cuda_backend() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
 @functools.cache
 def register_targets() -> tuple[str, ...]:
     """Registers all targets once per process; returns the registered names."""
     names = []
-    cuda = _C.with_cuda and _has_cuda_backend()
     for name, per_platform in _C.registrations().items():
         for platform, capsule in per_platform.items():
-            if platform == "CUDA" and not cuda:
-                continue
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
         names.append(name)
     return tuple(sorted(names))

@@ -318,15 +318,18 @@ def test_use_before_init_is_an_error():
 
 def dying_body(ctx, mode, transport, report):
     rt = make_runtime(ctx, sizes=[1000], transport=transport, timeout_s=20.0)
+    publish_all(rt, 0)
+    if mode == "gather":  # finish minibatch 0 so that only rank 1's version 1 is missing
+        rt.done(0)
+        rt.wait_complete(0)
     if ctx.rank == 1:
         if mode == "push":
             rt.scatter_accumulate(0, 0, np.ones(1000, np.float32))
-        else:
-            publish_all(rt, 0)
         ctx.barrier("ready")
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
-    publish_all(rt, 0)
+    if mode == "gather":
+        publish_all(rt, 1)
     ctx.barrier("ready")
     start = time.monotonic()
     try:
@@ -365,17 +368,18 @@ def timeout_body(ctx):
     from jaxodc.odc import OdcTimeoutError
     rt = make_runtime(ctx, sizes=[100], timeout_s=1.0)
     publish_all(rt, 0)
-    if ctx.rank == 0:
+    rt.done(0)
+    rt.wait_complete(0)
+    result = None
+    if ctx.rank == 0:  # publishes version 1; rank 1 never does
+        publish_all(rt, 1)
         start = time.monotonic()
         with pytest.raises(OdcTimeoutError) as e:
             rt.gather(0, 1)
-        elapsed = time.monotonic() - start
-        ctx.barrier("checked")
-        rt.close()
-        return str(e.value), elapsed
+        result = str(e.value), time.monotonic() - start
     ctx.barrier("checked")
     rt.close()
-    return None
+    return result
 
 
 def test_gather_timeout_names_unit_and_owner():

@@ -133,9 +133,11 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
         "Unlinks /dev/shm/jaxodc_* segments whose owner process is gone; returns how many.");
 
   add_target(targets, "jaxodc_odc_gather", "cpu", odc::OdcGatherCpu);
+  add_target(targets, "jaxodc_odc_gather_into", "cpu", odc::OdcGatherIntoCpu);
   add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
 #ifdef JAXODC_WITH_CUDA
   add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
+  add_target(targets, "jaxodc_odc_gather_into", "CUDA", odc::OdcGatherIntoCuda);
   add_target(targets, "jaxodc_odc_scatter", "CUDA", odc::OdcScatterCuda);
 #endif
 }

@@ -32,6 +32,12 @@ ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> versi
   });
 }
 
+// Same, into a caller-provided buffer aliased to the result (no fresh output allocation).
+ffi::Error GatherIntoCpuImpl(ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
+  return GatherCpuImpl(local_shard, version, out, unit);
+}
+
 // Pushes each owner's slice of `grad` into its accumulator; the token orders later effects.
 ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
                           ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit) {
@@ -53,6 +59,14 @@ ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("unit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()

@@ -93,6 +93,11 @@ ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::
   });
 }
 
+ffi::Error GatherIntoCudaImpl(cudaStream_t stream, ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer local_shard,
+                              ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
+  return GatherCudaImpl(stream, local_shard, version, out, unit);
+}
+
 ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::AnyBuffer grad,
                            ffi::Buffer<ffi::S32> version, ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit) {
   Runtime* rt;
@@ -117,6 +122,15 @@ ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCuda, GatherCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("unit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCuda, GatherIntoCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()

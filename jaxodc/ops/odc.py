@@ -75,6 +75,19 @@ def odc_gather(local_shard: jax.Array, version, *, unit: int, numel: int, dtype=
     return _gather(local_shard, version, int(unit), int(numel), jnp.dtype(dtype))
 
 
+def odc_gather_into(buffer: jax.Array, local_shard: jax.Array, version, *, unit: int) -> jax.Array:
+    """`odc_gather` into an existing flat buffer (float32 or bfloat16) that XLA may reuse for the
+    result: under `jax.jit(..., donate_argnums=0)` no new output is allocated, which keeps
+    persistent gather buffers (e.g. a prefetch double buffer) free of allocation costs.
+    Not differentiable; use odc_gather inside losses."""
+    _reject_vmap("odc_gather_into", unit, buffer, local_shard, version)
+    if buffer.ndim != 1 or buffer.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"odc_gather_into: unit {unit}: buffer must be a flat float32/bfloat16 array")
+    return jax.ffi.ffi_call("jaxodc_odc_gather_into", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                            input_output_aliases={0: 0})(
+        buffer, local_shard, jnp.asarray(version, dtype=jnp.int32), unit=np.int64(unit))
+
+
 def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, unit: int) -> jax.Array:
     """Pushes `grad` (the full flat unit) to the owners' accumulators; returns an ordering token."""
     _reject_vmap("odc_scatter_accumulate", unit, local_shard, grad, version)

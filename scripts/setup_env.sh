@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Creates/updates .venv with everything jaxodc needs and builds its native extension.
+# Idempotent: a second run only checks stamps (a few seconds). Source it or run it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+
+pick_python() {
+  for cand in python3.12 "$HOME/.pyenv/versions/"3.12*/bin/python3.12 /usr/bin/python3.12 python3.13 python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$cand"; return 0
+    fi
+  done
+  echo "jaxodc: no Python >= 3.11 found" >&2; return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="$(pick_python)"
+  echo "jaxodc setup: creating .venv with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+
+# Python packages (CUDA 13.0 compiler wheels, versions matched, so CUDA code always compiles).
+REQS="$ROOT/scripts/requirements.txt"
+STAMP="$VENV/.jaxodc-reqs"
+if ! cmp -s "$REQS" "$STAMP" 2>/dev/null; then
+  echo "jaxodc setup: installing Python packages"
+  $PIP install -q --upgrade pip
+  $PIP install -q -r "$REQS"
+  cp "$REQS" "$STAMP"
+fi
+
+# Native extension: rebuilt when any source or the build script changed.
+SRC_HASH=$(cd "$ROOT" && find csrc setup.py -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'setup.py' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+BUILD_STAMP="$VENV/.jaxodc-build"
+if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$SRC_HASH" ] || ! ls "$ROOT"/jaxodc/_C*.so >/dev/null 2>&1; then
+  echo "jaxodc setup: building the native extension"
+  (cd "$ROOT" && "$VENV/bin/python" setup.py -q build_ext --inplace -j 2 >/tmp/jaxodc-build.log 2>&1) || {
+    tail -50 /tmp/jaxodc-build.log; echo "jaxodc setup: native build FAILED" >&2; exit 1; }
+  $PIP install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null
+  echo "$SRC_HASH" > "$BUILD_STAMP"
+fi
