@@ -38,6 +38,8 @@ if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$SRC_HASH" ] || ! ls "$ROOT"/jaxodc
   echo "jaxodc setup: building the native extension"
   (cd "$ROOT" && "$VENV/bin/python" setup.py -q build_ext --inplace -j 2 >/tmp/jaxodc-build.log 2>&1) || {
     tail -50 /tmp/jaxodc-build.log; echo "jaxodc setup: native build FAILED" >&2; exit 1; }
-  $PIP install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null
   echo "$SRC_HASH" > "$BUILD_STAMP"
 fi
+# The checkout itself is the installed package (in-place build): put it on the venv's path.
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+[ -f "$SITE/jaxodc-checkout.pth" ] && [ "$(cat "$SITE/jaxodc-checkout.pth")" = "$ROOT" ] || echo "$ROOT" > "$SITE/jaxodc-checkout.pth"
