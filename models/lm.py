@@ -103,6 +103,11 @@ class LM:
         self._embed, self._block, self._head = Embed(cfg), Block(cfg), Head(cfg)
 
     def init(self, rng: jax.Array, seq_len: int = 8) -> dict:
+        # One jitted init: eager Flax init dispatches (and compiles) op by op, which is slow.
+        out = jax.jit(self._init, static_argnums=1)(rng, seq_len)
+        return {n: out[n] for n in self.unit_names}  # jit returns dicts key-sorted; keep unit order
+
+    def _init(self, rng: jax.Array, seq_len: int) -> dict:
         ks = jax.random.split(rng, len(self.unit_names))
         tok = jnp.zeros((1, seq_len), jnp.int32)
         x = jnp.zeros((1, seq_len, self.cfg.d_model), jnp.float32)

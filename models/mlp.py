@@ -31,6 +31,10 @@ class MLP:
         self._layers = [_Layer(sizes[i + 1], last=(i == n - 1)) for i in range(n)]
 
     def init(self, rng: jax.Array) -> dict:
+        out = jax.jit(self._init)(rng)
+        return {n: out[n] for n in self.unit_names}  # jit returns dicts key-sorted; keep unit order
+
+    def _init(self, rng: jax.Array) -> dict:
         ks = jax.random.split(rng, len(self._layers))
         params, x = {}, jnp.zeros((1, self.sizes[0]), jnp.float32)
         for i, (name, layer) in enumerate(zip(self.unit_names, self._layers)):
