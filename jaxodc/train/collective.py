@@ -1,0 +1,396 @@
+"""Sharded-parameter trainer core, the collective baseline (comm="collective") and the ODC hook.
+
+Parameters live only as fp32 shards per unit (see units.py). One microbatch runs the model unit by
+unit; each unit's stage is `jax.checkpoint(gather -> unflatten -> apply)`, so a unit is gathered
+right before its stage, dropped after it, and gathered again in the backward pass (FSDP
+semantics: only a couple of gathered units are alive at once). `gather` is the only thing the
+communication mode changes:
+
+- collective: a custom_vjp whose forward is `all_gather(tiled)` over the mesh axis and whose
+  backward is `psum_scatter(scatter_dimension=0, tiled)` -- the gradient w.r.t. the local shard
+  that jax.grad returns is the reduce-scattered sum over ranks;
+- odc: `jaxodc.ops.odc_gather(shard, version, unit=..., numel=..., dtype=...)`, whose backward
+  pushes the cotangent to the owners (scatter-accumulate) and returns zeros for the shard; the
+  owner fetches the summed gradient from the runtime after the minibatch (`OdcTrainer`).
+
+Loss of a microbatch = sum of per-token losses / global token count of the minibatch, so summing
+the microbatch gradients of all ranks gives the exact minibatch gradient however it was split.
+
+Exact global quantities. The optimizer runs on local shards, so anything that reduces over the
+whole parameter tree must reduce over ranks too. Inside a trainer's optimizer step,
+`global_sum(x)` sums a scalar over all ranks (collective: lax.psum; ODC: the runtime's
+allgather_scalar; reference/single process: identity). Use `clip_by_global_norm` / `global_norm`
+from this module instead of optax's (optax.clip_by_global_norm would clip by the local norm);
+elementwise transformations (adam, sgd, weight decay, schedules) need nothing.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxodc.train.balance import Plan, iter_steal
+from jaxodc.train.packing import empty, loss_tokens, pack
+from jaxodc.train.units import Layout, UnitSpec, make_layout, shard_params, unflatten_unit
+
+AXIS = "d"
+
+# --------------------------------------------------------------------------- exact global quantities
+
+_REDUCERS: list[Callable] = []
+
+
+@contextlib.contextmanager
+def global_reduction(fn: Callable[[jax.Array], jax.Array]):
+    """While tracing inside this context, `global_sum` uses `fn` (a traceable scalar all-sum)."""
+    _REDUCERS.append(fn)
+    try:
+        yield
+    finally:
+        _REDUCERS.pop()
+
+
+def global_sum(x: jax.Array) -> jax.Array:
+    """Sum of scalar x over all ranks (identity outside a trainer's optimizer step)."""
+    return _REDUCERS[-1](x) if _REDUCERS else x
+
+
+def global_norm(tree) -> jax.Array:
+    """L2 norm of a tree of local shards over all ranks (padding elements are zero)."""
+    sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))
+    return jnp.sqrt(global_sum(sq))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm with the norm taken over all ranks' shards (same arithmetic)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        g = global_norm(updates)
+        trigger = jnp.squeeze(g < max_norm)
+        return jax.tree_util.tree_map(
+            lambda t: jax.lax.select(trigger, t, (t / g.astype(t.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+# --------------------------------------------------------------------------- shared trainer core
+
+# gather(local_shard [Kp/W] fp32, spec, ctx) -> full unit [Kp]; differentiable, its VJP delivers the
+# cotangent to the owners. ctx: per-call traced data the comm needs (ODC: the version), or None.
+GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
+
+
+def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: dict, global_tokens,
+                 ctx=None) -> jax.Array:
+    """Loss of one microbatch from local shards: each unit gathered inside its own remat'd stage."""
+    carry = None
+    for spec in layout.units:
+        def stage(shard, carry, batch, ctx, spec=spec):
+            return model.apply_unit(spec.name, unflatten_unit(spec, gather(shard, spec, ctx)), carry, batch)
+
+        carry = jax.checkpoint(stage)(shards[spec.name], carry, batch, ctx)
+    return jnp.sum(carry) / global_tokens
+
+
+def microbatch_grad(model, layout: Layout, gather: GatherFn):
+    """fn(shards, batch, global_tokens, ctx) -> (loss, grads w.r.t. local shards)."""
+    return jax.value_and_grad(lambda s, b, n, c: sharded_loss(model, layout, gather, s, b, n, c))
+
+
+def optimizer_step(optimizer: optax.GradientTransformation, shards, opt_state, grads,
+                   reduce_fn: Callable[[jax.Array], jax.Array]):
+    """Run the optimizer on local shards with `global_sum` bound to `reduce_fn`."""
+    with global_reduction(reduce_fn):
+        upd, opt_state = optimizer.update(grads, opt_state, shards)
+    return optax.apply_updates(shards, upd), opt_state
+
+
+def collective_gather(axis: str = AXIS) -> GatherFn:
+    @jax.custom_vjp
+    def gather(shard):
+        return jax.lax.all_gather(shard, axis, tiled=True)
+
+    def fwd(shard):
+        return gather(shard), None
+
+    def bwd(_, ct):
+        return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True),)
+
+    gather.defvjp(fwd, bwd)
+    return lambda shard, spec, ctx: gather(shard)
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass
+class StepResult:
+    """One minibatch on this rank. `loss`: global minibatch loss (sum over all ranks of token
+    losses / global tokens). Intervals are perf_counter seconds."""
+
+    version: int
+    loss: float
+    t_start: float
+    t_end: float
+    microbatches: list[tuple[float, float]] = field(default_factory=list)
+    opt: tuple[float, float] = (0.0, 0.0)
+
+
+def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None) -> list[dict]:
+    """This rank's packed microbatches ([1, max_tokens] arrays) of a static plan; `pad_to` appends
+    all-padding microbatches (collective: equal counts on every rank)."""
+    if plan.balance == "lb_steal":
+        raise ValueError("an lb_steal plan is partly claimed at run time (iter_steal); only comm='odc' runs it")
+    mbs = [pack([samples[i] for i in mb], plan.max_tokens).as_dict() for mb in plan.ranks[rank]]
+    if pad_to is not None:
+        if len(mbs) > pad_to:
+            raise ValueError(f"rank {rank} has {len(mbs)} microbatches > pad_to={pad_to}")
+        mbs += [empty(plan.max_tokens).as_dict() for _ in range(pad_to - len(mbs))]
+    return mbs
+
+
+def plan_global_tokens(plan: Plan) -> int:
+    """Loss tokens of the whole minibatch (what every microbatch loss is divided by)."""
+    return loss_tokens(plan.lengths)
+
+
+# --------------------------------------------------------------------------- collective baseline
+
+class CollectiveTrainer:
+    """comm="collective": one jitted shard_map step per microbatch over a 1-D mesh of all
+    processes' devices (one device per process), all_gather / psum_scatter per unit; every rank
+    must run the same number of microbatches per minibatch (checked, clear error)."""
+
+    comm = "collective"
+
+    def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True):
+        if jax.local_device_count() != 1:
+            raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
+        self.model, self.optimizer = model, optimizer
+        self.world, self.rank = jax.device_count(), jax.process_index()
+        devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = Mesh(np.array(devs), (AXIS,))
+        self.layout = make_layout(params, self.world, order=model.unit_names)
+        self._sh = NamedSharding(self.mesh, P(AXIS))
+        names = self.layout.names
+        spec_sh = {n: P(AXIS) for n in names}
+        smap = lambda f, i, o: jax.shard_map(f, mesh=self.mesh, in_specs=i, out_specs=o, check_vma=False)
+
+        self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
+        if check:
+            self._check_same("layout fingerprint", int(self.layout.fingerprint()[:7], 16))
+
+        local = shard_params(self.layout, params, self.rank)
+        self.shards = {n: self._global(local[n]) for n in names}
+        shapes = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in names}
+        state_specs = jax.tree_util.tree_map(lambda s: P() if s.ndim == 0 else P(AXIS),
+                                             jax.eval_shape(optimizer.init, shapes))
+        self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
+
+        grad_fn = microbatch_grad(model, self.layout, collective_gather(AXIS))
+
+        def mb_step(shards, acc, batch, ntok):
+            loss, g = grad_fn(shards, batch, ntok, None)
+            return jax.tree_util.tree_map(jnp.add, acc, g), jax.lax.psum(loss, AXIS)
+
+        def opt_step(shards, state, acc):
+            return optimizer_step(optimizer, shards, state, acc, lambda x: jax.lax.psum(x, AXIS))
+
+        self._mb_step = jax.jit(smap(mb_step, (spec_sh, spec_sh, P(AXIS), P()), (spec_sh, P())), donate_argnums=(1,))
+        self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
+                                 donate_argnums=(0, 1, 2))
+        self.version = 0
+
+    def _global(self, local: np.ndarray) -> jax.Array:
+        local = np.asarray(local)
+        return jax.make_array_from_process_local_data(self._sh, local, (self.world * local.shape[0],) + local.shape[1:])
+
+    def allgather_int(self, x: int) -> np.ndarray:
+        """Every rank's int (int32) as an array [W] (one collective)."""
+        out = self._gather_ints(self._global(np.array([x], np.int32)))
+        return np.asarray(out.addressable_data(0))
+
+    def _check_same(self, what: str, x: int) -> None:
+        got = self.allgather_int(x)
+        if np.any(got != got[0]):
+            raise ValueError(f"ranks disagree on {what}: " + ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(got)))
+
+    def train_minibatch(self, microbatches: Sequence[dict], global_tokens: float, check: bool = True) -> StepResult:
+        """One minibatch: this rank's microbatches (dicts of [1, T] arrays, same count and T on
+        every rank -- pad with packing.empty), then the optimizer. `global_tokens`: loss tokens of
+        the whole minibatch over all ranks."""
+        mbs = list(microbatches)
+        if check:
+            self._check_same("microbatch count (collective needs equal counts; pad with packing.empty)", len(mbs))
+        if global_tokens <= 0:
+            raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
+        res = StepResult(self.version, 0.0, time.perf_counter(), 0.0)
+        ntok = jnp.float32(global_tokens)
+        acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+        loss = 0.0
+        for mb in mbs:
+            t0 = time.perf_counter()
+            batch = {k: self._global(np.asarray(v)) for k, v in mb.items()}
+            acc, l = self._mb_step(self.shards, acc, batch, ntok)
+            loss += float(l)  # blocks: the interval covers this microbatch only
+            res.microbatches.append((t0, time.perf_counter()))
+        t0 = time.perf_counter()
+        self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
+        jax.block_until_ready(self.shards)
+        res.opt = (t0, time.perf_counter())
+        res.loss, res.t_end = loss, res.opt[1]
+        self.version += 1
+        return res
+
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
+        """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts."""
+        if plan.world != self.world:
+            raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
+        return self.train_minibatch(microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts())),
+                                    plan_global_tokens(plan))
+
+    def local_shards(self) -> dict[str, np.ndarray]:
+        return {n: np.asarray(a.addressable_data(0)) for n, a in self.shards.items()}
+
+    def local_opt_state(self):
+        return jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), self.opt_state)
+
+
+# --------------------------------------------------------------------------- ODC hook
+
+class OdcRuntime(abc.ABC):
+    """What comm="odc" needs from the ODC runtime (jaxodc.odc / jaxodc.ops; not implemented here).
+
+    Units are addressed by `UnitSpec.index`. Version v is the minibatch being computed; the shards
+    published with version v are the parameters minibatch v reads."""
+
+    rank: int
+    world: int
+
+    @abc.abstractmethod
+    def gather(self, shard: jax.Array, spec: UnitSpec, version: jax.Array) -> jax.Array:
+        """Traceable (inside jit): full unit [spec.padded] fp32 from every owner's shard of
+        `version`; a custom_vjp whose backward scatter-accumulates the cotangent at the owners and
+        returns zeros for `shard`. Expected: jaxodc.ops.odc_gather(shard, version,
+        unit=spec.index, numel=spec.padded, dtype=jnp.float32)."""
+
+    @abc.abstractmethod
+    def publish(self, unit: int, shard: np.ndarray, version: int) -> None:
+        """Make my shard of `unit` readable by gathers of `version` (v=0: initial parameters)."""
+
+    @abc.abstractmethod
+    def done(self, version: int) -> None:
+        """All my pushes for minibatch `version` are issued (sent to every owner)."""
+
+    @abc.abstractmethod
+    def wait_complete(self, version: int) -> None:
+        """Block until every rank's pushes of `version` are accumulated into my shards' gradients."""
+
+    @abc.abstractmethod
+    def fetch_grad(self, unit: int) -> np.ndarray:
+        """Summed gradient of my shard of `unit` (fp32 [padded/world]); resets the accumulator."""
+
+    @abc.abstractmethod
+    def allgather_scalar(self, version: int, x: float) -> np.ndarray:
+        """Every rank's x for this version, as float64 [world]; calls happen in the same order on
+        every rank (the optimizer's global sums, then the loss)."""
+
+    @abc.abstractmethod
+    def next_task(self, version: int) -> int:
+        """Shared claim counter of minibatch `version` (LB-Steal): 0, 1, 2, ... across all ranks."""
+
+
+class OdcTrainer:
+    """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
+    including zero) -> done(v) -> wait_complete(v) -> fetch_grad per unit -> optimizer on local
+    shards (global sums via allgather_scalar) -> publish(unit, new shard, v+1). Needs the
+    runtime from jaxodc.odc to run across processes."""
+
+    comm = "odc"
+
+    def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime):
+        self.model, self.optimizer, self.rt = model, optimizer, runtime
+        self.world, self.rank = runtime.world, runtime.rank
+        self.layout = make_layout(params, self.world, order=model.unit_names)
+        self.shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
+        self.opt_state = optimizer.init(self.shards)
+        grad_fn = microbatch_grad(model, self.layout, lambda s, spec, v: runtime.gather(s, spec, v))
+        # The (zero) shard gradients are returned so the backward pass -- which carries the pushes --
+        # is never dead code.
+        self._mb_step = jax.jit(lambda s, b, n, v: grad_fn(s, b, n, v))
+
+        def reduce_fn(version):
+            def f(x):
+                cb = lambda v, y: np.float32(np.sum(runtime.allgather_scalar(int(v), float(y))))
+                return jax.pure_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x)
+            return f
+
+        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
+        self.version = 0
+        for u in self.layout.units:
+            runtime.publish(u.index, np.asarray(self.shards[u.name]), 0)
+
+    def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
+        v = self.version
+        if global_tokens <= 0:
+            raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
+        res = StepResult(v, 0.0, time.perf_counter(), 0.0)
+        ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
+        loss = 0.0
+        for mb in microbatches:
+            t0 = time.perf_counter()
+            l, _ = self._mb_step(self.shards, {k: jnp.asarray(x) for k, x in mb.items()}, ntok, ver)
+            loss += float(l)
+            res.microbatches.append((t0, time.perf_counter()))
+        self.rt.done(v)
+        self.rt.wait_complete(v)
+        t0 = time.perf_counter()
+        grads = {u.name: jnp.asarray(self.rt.fetch_grad(u.index)) for u in self.layout.units}
+        self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
+        for u in self.layout.units:
+            self.rt.publish(u.index, np.asarray(self.shards[u.name]), v + 1)
+        res.opt = (t0, time.perf_counter())
+        res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
+        res.t_end = time.perf_counter()
+        self.version = v + 1
+        return res
+
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
+        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue."""
+        if plan.world != self.world:
+            raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
+        if plan.balance == "lb_steal":
+            own = plan.static(self.rank)
+            mbs = (pack([samples[i] for i in mb], plan.max_tokens).as_dict()
+                   for mb in itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version)))
+        else:
+            mbs = microbatches_for(plan, self.rank, samples)
+        return self.train_minibatch(mbs, plan_global_tokens(plan))
+
+    def local_shards(self) -> dict[str, np.ndarray]:
+        return {n: np.asarray(a) for n, a in self.shards.items()}
+
+
+def make_trainer(model, optimizer: optax.GradientTransformation, params: dict, comm: str = "collective",
+                 runtime: OdcRuntime | None = None):
+    """The sharded trainer for `comm` ("collective" or "odc"; odc needs the runtime)."""
+    if comm == "collective":
+        return CollectiveTrainer(model, optimizer, params)
+    if comm == "odc":
+        if runtime is None:
+            raise ValueError('comm="odc" needs an OdcRuntime (jaxodc.odc)')
+        return OdcTrainer(model, optimizer, params, runtime)
+    raise ValueError(f"unknown comm {comm!r}; choose 'collective' or 'odc'")

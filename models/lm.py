@@ -1,0 +1,134 @@
+"""Small decoder-only LM (Flax linen) for packed byte-level sequences, written as a chain of units.
+
+Units, in order: "embed", "block_0" ... "block_{L-1}", "head". Each unit is a separate linen module
+applied with its own parameter subtree (`apply_unit`), so a sharded trainer can gather one unit's
+parameters right before its stage and drop them after. Carry between units: hidden states
+[B, T, d]. The "head" unit returns per-token losses (cross entropy x loss_mask, [B, T]); the
+training loss is their sum divided by the global token count of the minibatch.
+
+Attention is causal *within a packed sample only*: token i attends to token j iff j <= i and both
+carry the same segment id (padding, segment 0, only sees padding). RoPE uses per-sample positions,
+so a packed sample computes exactly what it computes alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    rope_base: float = 10000.0
+
+
+def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding on the last dim of x [B, T, H, Dh] at positions pos [B, T]."""
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos.astype(jnp.float32)[..., None, None] * freq  # [B, T, 1, half]
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, T, T] boolean: same segment and not in the future."""
+    T = segment_ids.shape[-1]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    return (same & causal)[:, None]
+
+
+class Embed(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Embed(self.cfg.vocab, self.cfg.d_model, embedding_init=nn.initializers.normal(0.02))(tokens)
+
+
+class Block(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, segment_ids, positions):
+        cfg = self.cfg
+        B, T, d = x.shape
+        H, Dh = cfg.n_heads, d // cfg.n_heads
+        init = nn.initializers.normal(0.02)
+        h = nn.RMSNorm(name="attn_norm")(x)
+        qkv = nn.Dense(3 * d, use_bias=False, kernel_init=init, name="qkv")(h).reshape(B, T, 3, H, Dh)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(Dh))
+        logits = jnp.where(segment_causal_mask(segment_ids), logits, jnp.finfo(logits.dtype).min)
+        att = jax.nn.softmax(logits, axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, d)
+        x = x + nn.Dense(d, use_bias=False, kernel_init=init, name="proj")(o)
+        h = nn.RMSNorm(name="mlp_norm")(x)
+        h = nn.Dense(cfg.mlp_ratio * d, kernel_init=init, name="up")(h)
+        h = nn.Dense(d, kernel_init=init, name="down")(jax.nn.gelu(h))
+        return x + h
+
+
+class Head(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, targets, loss_mask):
+        x = nn.RMSNorm(name="norm")(x)
+        logits = nn.Dense(self.cfg.vocab, use_bias=False, kernel_init=nn.initializers.normal(0.02), name="out")(x)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return nll * loss_mask
+
+
+class LM:
+    """Staged model: `unit_names`, `init(rng) -> {unit: params}`, `apply_unit(name, params, carry,
+    batch) -> carry`; the last unit returns per-token losses. `batch` holds the packing arrays
+    (tokens, targets, segment_ids, positions, loss_mask), each [B, T]."""
+
+    def __init__(self, cfg: LMConfig = LMConfig()):
+        if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+            raise ValueError(f"d_model={cfg.d_model} must split into n_heads={cfg.n_heads} heads of even size")
+        self.cfg = cfg
+        self.unit_names = ("embed",) + tuple(f"block_{i}" for i in range(cfg.n_layers)) + ("head",)
+        self._embed, self._block, self._head = Embed(cfg), Block(cfg), Head(cfg)
+
+    def init(self, rng: jax.Array, seq_len: int = 8) -> dict:
+        # One jitted init: eager Flax init dispatches (and compiles) op by op, which is slow.
+        out = jax.jit(self._init, static_argnums=1)(rng, seq_len)
+        return {n: out[n] for n in self.unit_names}  # jit returns dicts key-sorted; keep unit order
+
+    def _init(self, rng: jax.Array, seq_len: int) -> dict:
+        ks = jax.random.split(rng, len(self.unit_names))
+        tok = jnp.zeros((1, seq_len), jnp.int32)
+        x = jnp.zeros((1, seq_len, self.cfg.d_model), jnp.float32)
+        params = {"embed": self._embed.init(ks[0], tok)["params"]}
+        for i in range(self.cfg.n_layers):
+            params[f"block_{i}"] = self._block.init(ks[1 + i], x, tok, tok)["params"]
+        params["head"] = self._head.init(ks[-1], x, tok, jnp.zeros((1, seq_len)))["params"]
+        return params
+
+    def apply_unit(self, name: str, params, carry, batch):
+        if name == "embed":
+            return self._embed.apply({"params": params}, batch["tokens"])
+        if name == "head":
+            return self._head.apply({"params": params}, carry, batch["targets"], batch["loss_mask"])
+        return self._block.apply({"params": params}, carry, batch["segment_ids"], batch["positions"])
+
+    def token_losses(self, params: dict, batch) -> jax.Array:
+        carry = None
+        for name in self.unit_names:
+            carry = self.apply_unit(name, params[name], carry, batch)
+        return carry
+
+    def loss_sum(self, params: dict, batch) -> jax.Array:
+        return jnp.sum(self.token_losses(params, batch))
