@@ -570,25 +570,30 @@ void Runtime::wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer,
   ScalarEntry* e = seg->scalar(version);
   wait_for(&seg->scalar_seq, [&] { return e->version.load(std::memory_order_acquire) >= version; }, peer, what);
   if (e->version.load(std::memory_order_acquire) != version)
-    throw Error(what + ": the peer moved past version " + std::to_string(version));
+    throw Error(what + ": the peer is out of step (it made more allgather_scalar calls)");
 }
 
 std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
   check_open("allgather_scalar");
-  ScalarEntry* mine = seg_->scalar(version);
+  // Entries are tagged by a per-runtime call sequence (every rank makes the same calls in the same
+  // order), so several scalars per minibatch never overwrite each other. A rank can run at most
+  // one call ahead of the slowest, so a ring of kRing entries is never overrun.
+  const int64_t seq = scalar_calls_++;
+  ScalarEntry* mine = seg_->scalar(seq);
   mine->value = value;
-  mine->version.store(version, std::memory_order_release);
+  mine->version.store(seq, std::memory_order_release);
   signal_event(&seg_->scalar_seq);
   std::vector<double> out(world_, 0.0);
   for (int d = 0; d < world_; ++d) {
     Peer& p = *peers_[d];
-    const std::string what = "waiting for the scalar of " + p.name() + " at version " + std::to_string(version);
+    const std::string what = "waiting for the scalar of " + p.name() + " (call " + std::to_string(seq) +
+                             ", minibatch " + std::to_string(version) + ")";
     if (p.transport == Transport::kTcp) {
       std::lock_guard<std::mutex> lock(p.mu);
       WireHeader h{};
       h.op = kScalar;
       h.rank = rank_;
-      h.version = version;
+      h.version = seq;
       net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
       WireHeader r{};
       net::recv_all(p.fd, &r, sizeof(r), timeout_s_ + 5, p.name());
@@ -599,8 +604,8 @@ std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
       }
       out[d] = r.value;
     } else {
-      wait_scalar(p.seg, version, d == rank_ ? nullptr : &p, what);
-      out[d] = p.seg->scalar(version)->value;
+      wait_scalar(p.seg, seq, d == rank_ ? nullptr : &p, what);
+      out[d] = p.seg->scalar(seq)->value;
     }
   }
   return out;
@@ -840,7 +845,7 @@ void Runtime::serve_connection(int fd) {
         case kScalar: {
           try {
             wait_scalar(seg_, h.version, nullptr,
-                        "posting the scalar of version " + std::to_string(h.version) + " for rank " +
+                        "posting scalar call " + std::to_string(h.version) + " for rank " +
                             std::to_string(client));
           } catch (const Error& e) {
             reply_error(e.what());

@@ -77,6 +77,8 @@ class Runtime {
                           int64_t grad_numel);
   void done(int64_t version);
   int64_t next_task(int64_t version);
+  // Every rank's `value` for this call; all ranks make the same sequence of calls. `version` only
+  // labels errors.
   std::vector<double> allgather_scalar(int64_t version, double value);
 
   // Owner side.
@@ -137,6 +139,7 @@ class Runtime {
   std::vector<std::thread> conn_threads_;
   std::vector<int> conn_fds_;
   std::atomic<int64_t> pushes_received_{0}, bytes_received_{0};
+  int64_t scalar_calls_ = 0;
   bool closed_ = false;
 };
 
