@@ -148,9 +148,11 @@ class SharedStateServer:
 
     def _send_keys(self, conn: socket.socket, req: dict) -> None:
         with self._lock:
-            state, sync_id = self._state, self._sync_id
-        if state is None or req.get("sync") != sync_id:
-            P.send_frame(conn, {"t": "error", "reason": f"no shared state published for sync {req.get('sync')!r}"})
+            state = self._state
+        # The sync id is only known after the service's answer, and a fast fetcher may ask before
+        # this peer has read it: serve whatever is published; the fetcher checks every hash.
+        if state is None:
+            P.send_frame(conn, {"t": "error", "reason": f"no shared state published (sync {req.get('sync')!r})"})
             return
         missing = [k for k in req["keys"] if k not in state]
         if missing:

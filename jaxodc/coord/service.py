@@ -366,6 +366,16 @@ class CoordinatorService:
         handler(peer, group, rid, msg)
 
     def _begin_major(self, peer: Peer, group: Group, rid: int, kind: str, msg: dict) -> MajorOp | None:
+        if kind == "topology" and group.colls and all(c.phase == "open" for c in group.colls.values()):
+            # A peer re-forming the ring after a failure others have not seen yet: collectives
+            # that are still gathering votes cannot succeed on this ring; send them to the vote.
+            reason = f"group {group.id}: {peer!r} is re-forming the ring; call update_topology"
+            for c in group.colls.values():
+                for pid, r in c.votes.items():
+                    if pid in self.peers:
+                        self._error(self.peers[pid], r, reason, kind="stale")
+                group.finished[(c.tag, c.id)] = reason
+            group.colls.clear()
         if group.colls:
             self._error(peer, rid, f"group {group.id}: {kind} requested while collectives "
                                    f"{sorted(group.colls)} are in flight", kind="busy")
@@ -500,8 +510,10 @@ class CoordinatorService:
     def _on_open(self, peer, group, rid, msg):
         tag = int(msg["tag"])
         if group.major is not None:
+            # during a topology vote the right move for this peer is to join it (retry path)
+            kind = "stale" if group.major.kind == "topology" or group.stale else "busy"
             self._error(peer, rid, f"group {group.id}: collective tag {tag} requested while "
-                                   f"{group.major.kind} {group.major.id} runs", kind="busy")
+                                   f"{group.major.kind} {group.major.id} runs", kind=kind)
             return
         if group.stale or peer.id not in group.ring:
             self._error(peer, rid, f"group {group.id}: ring is stale (a peer left or a collective "
