@@ -46,7 +46,7 @@ struct FrameHdr {
 static_assert(sizeof(FrameHdr) == 32, "frame header layout");
 
 std::mutex g_registry_mu;
-std::map<int64_t, std::weak_ptr<Endpoint>> g_registry;
+std::map<int64_t, std::shared_ptr<Endpoint>> g_registry;  // non-owning aliases (see bindings)
 std::atomic<int64_t> g_next_handle{1};
 
 void shut(int fd) {
@@ -993,7 +993,7 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
 std::shared_ptr<Endpoint> endpoint_by_handle(int64_t handle) {
   std::lock_guard<std::mutex> g(g_registry_mu);
   auto it = g_registry.find(handle);
-  return it == g_registry.end() ? nullptr : it->second.lock();
+  return it == g_registry.end() ? nullptr : it->second;
 }
 void register_endpoint(const std::shared_ptr<Endpoint>& ep) {
   std::lock_guard<std::mutex> g(g_registry_mu);
