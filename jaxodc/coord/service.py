@@ -180,6 +180,7 @@ class CoordinatorService:
             return {"counters": dict(self.counters),
                     "groups": {g.id: {"accepted": [p.id for p in g.members],
                                       "registered": sorted(g.registered),
+                                      "waiting": sorted(g.waiting),
                                       "ring": list(g.ring), "epoch": g.epoch, "stale": g.stale,
                                       "revision": g.last_revision,
                                       "preferred": list(g.preferred or [])}
@@ -578,7 +579,8 @@ class CoordinatorService:
             r = m["revision"]
             if expected is not None and r > expected:
                 rejected[pid] = (f"revision {r} skips ahead: group {group.id} last synced revision "
-                                 f"{group.last_revision}, a sync must be exactly one ahead ({expected})")
+                                 f"{group.last_revision}, expected {expected} (a sync must be exactly "
+                                 f"one revision ahead)")
                 self.counters["rejected_revisions"] += 1
                 log.warning("rejected shared-state revision from %r: %s", self.peers[pid], rejected[pid])
             elif expected is not None and r < expected and m["strategy"] != "receive_only":
