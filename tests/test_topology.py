@@ -1,7 +1,6 @@
 """Ring-order solver (asymmetric TSP, bottleneck-then-total objective) and, over real rings with
 emulated links, the measured speed-up of the optimised ring."""
 import math
-import threading
 import time
 
 import numpy as np
@@ -82,3 +81,53 @@ def test_heuristic_quality_and_time_limit():
 def test_cost_matrix_rejects_bad_shape():
     with pytest.raises(ValueError, match="square"):
         T.cost_matrix(np.ones((2, 3)))
+
+
+# --- optimised ring over emulated links --------------------------------------------------------
+
+def test_optimised_ring_is_faster_over_emulated_links(capsys):
+    """Join order 0-1-2-3 crosses the two slow pairs {0,1} and {2,3} (10x slower, both
+    directions); after optimize_topology + update_topology the ring avoids them."""
+    from jaxodc.coord.service import CoordinatorService
+    from comm_util import SECRET, close_all, make_group, run_threads
+
+    svc = CoordinatorService("127.0.0.1", 0, SECRET, heartbeat_timeout_s=5.0).start()
+    comms = make_group(svc.address, 4)
+    try:
+        fast, slow = 40e6, 4e6
+        addrs = [c.ep.address for c in comms]
+        slow_pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}
+        for i, c in enumerate(comms):
+            for j, a in enumerate(addrs):
+                if i != j:
+                    c.ep.set_link(a, slow if (i, j) in slow_pairs else fast, 0.0)
+        x = [np.full(1 << 18, float(i), np.float32) for i in range(4)]  # 1 MiB per peer
+
+        def timed():
+            t0 = time.perf_counter()
+            outs = run_threads([lambda c=c, v=v: c.all_reduce(v, op="sum") for c, v in zip(comms, x)])
+            dt = time.perf_counter() - t0
+            assert all(np.array_equal(o, np.full(1 << 18, 6.0, np.float32)) for o in outs)
+            return dt
+
+        naive = min(timed() for _ in range(2))
+        res = run_threads([lambda c=c: c.optimize_topology(nbytes=256 << 10) for c in comms])
+        assert all(r["improved"] for r in res) and len({tuple(r["ring"]) for r in res}) == 1
+        bw = np.array(res[0]["bandwidth"])
+        # the measured matrix sees the emulated caps (slow pairs well below fast ones)
+        assert max(bw[i, j] for i, j in slow_pairs) < 0.5 * min(bw[i, j] for i in range(4) for j in range(4)
+                                                               if i != j and (i, j) not in slow_pairs)
+        ring = res[0]["ring"]
+        idx = [addrs.index(a) for a in ring]
+        edges = {(idx[k], idx[(k + 1) % 4]) for k in range(4)}
+        assert not edges & slow_pairs, idx
+        run_threads([c.update_topology for c in comms])   # installs the better ring
+        assert comms[0].ring == ring
+        opt = min(timed() for _ in range(2))
+        with capsys.disabled():
+            print(f"\n[topology] all-reduce 1 MiB x 4 peers: naive ring {naive * 1e3:.0f} ms, "
+                  f"optimised {opt * 1e3:.0f} ms, speed-up {naive / opt:.2f}x")
+        assert naive / opt >= 1.3, (naive, opt)
+    finally:
+        close_all(comms)
+        svc.stop()

@@ -156,7 +156,11 @@ def server_handshake(sock: socket.socket, secret: bytes, extra: dict | None = No
     chal = challenge()
     send_frame(sock, chal)
     frame = recv_frame(sock)
-    cn = verify_answer(secret, chal, frame)
+    try:
+        cn = verify_answer(secret, chal, frame)
+    except AuthError:
+        send_frame(sock, {"t": "error", "reason": "authentication failed"})
+        raise
     send_frame(sock, welcome(secret, chal, cn, extra or {}))
     return frame
 
