@@ -31,10 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-SIZE = 20_000  # elements per gradient
+SIZE = 100_000  # elements per gradient (400 kB): long enough that kills land inside all-reduces
 
 
-def worker(master: str, secret: str, name: str, outfile: str) -> int:
+def worker(master: str, secret: str, name: str, outfile: str, link: str = "0") -> int:
     from jaxodc.comm import shared_state as ss
     from jaxodc.comm.communicator import Communicator
 
@@ -52,10 +52,15 @@ def worker(master: str, secret: str, name: str, outfile: str) -> int:
              "step": np.zeros(1, np.int64), "const": np.arange(1000, dtype=np.float64)}
     rev, first = 0, True
     rng = np.random.default_rng(seed)
+    link_bps, capped = float(link), set()
     while True:
         if not first and comm.are_peers_pending():
             comm.update_topology()
         first = False
+        if link_bps > 0:  # emulated link cap: all-reduces take long enough to be killed inside
+            for peer in set(comm.ring) - capped - {comm.ep.address}:
+                comm.ep.set_link(peer, link_bps, 0.0)
+                capped.add(peer)
         info = comm.run_with_retry(comm.sync_shared_state, state, rev)
         rev = info.revision
         emit("SYNC", rev, info.hash, comm.world_size)
@@ -82,15 +87,16 @@ def worker(master: str, secret: str, name: str, outfile: str) -> int:
         state["step"] += 1
         rev += 1
         emit("POST", rev, ss.combined_hash(ss.state_hashes(state)), comm.world_size)
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 class Churn:
     def __init__(self, seconds: float, max_peers: int = 6, seed: int = 0, stall_s: float = 30.0,
-                 workdir: str | None = None, log=print):
+                 workdir: str | None = None, link_bps: float = 0.0, log=print):
         import tempfile
         from jaxodc.coord.service import CoordinatorService
         self.seconds, self.max_peers, self.stall_s, self.log = seconds, max_peers, stall_s, log
+        self.link_bps = link_bps
         self.rng = random.Random(seed)
         self.secret = "churn-secret-%d" % seed
         self.svc = CoordinatorService("127.0.0.1", 0, self.secret.encode(), heartbeat_timeout_s=5.0).start()
@@ -116,7 +122,7 @@ class Churn:
         path = os.path.join(self.dir, name + ".log")
         err = open(os.path.join(self.dir, name + ".err"), "w")
         self.procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", self.svc.address,
-                                             self.secret, name, path], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                             self.secret, name, path, str(self.link_bps)], cwd=ROOT, stdout=subprocess.DEVNULL,
                                             stderr=err)
         err.close()
         self.offsets[name] = 0
@@ -219,14 +225,16 @@ class Churn:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
-        return worker(*argv[1:5])
+        return worker(*argv[1:6])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=float(os.environ.get("JAXODC_CHURN_MINUTES", 1.5)))
     ap.add_argument("--max-peers", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--link-mbps", type=float, default=20.0,
+                    help="emulated outgoing link cap per peer in MB/s (0: loopback speed)")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
-    res = Churn(args.minutes * 60, args.max_peers, args.seed).run()
+    res = Churn(args.minutes * 60, args.max_peers, args.seed, link_bps=args.link_mbps * 1e6).run()
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,5 @@
-"""Churn stress: peers spawned and SIGKILLed every 0.5-2 s while training steps go on.
+"""Churn stress: peers spawned and SIGKILLed every 0.5-2 s while training steps go on (outgoing
+links capped at 20 MB/s so all-reduces last long enough for kills to land inside them).
 
 CI runs ~90 s; set JAXODC_CHURN_MINUTES for longer runs (or run bench/churn.py --minutes N)."""
 import importlib.util
@@ -21,7 +22,7 @@ def _load_churn():
 def test_churn_keeps_progress_and_bit_identical_state(tmp_path, capsys):
     churn = _load_churn()
     res = churn.Churn(MINUTES * 60, max_peers=6, seed=int(os.environ.get("JAXODC_CHURN_SEED", "0")),
-                      stall_s=30.0, workdir=str(tmp_path)).run()
+                      stall_s=30.0, workdir=str(tmp_path), link_bps=20e6).run()
     with capsys.disabled():
         print(f"\n[churn] {res['seconds']} s: {res['peer_changes']} peer changes "
               f"({res['spawns']} spawns, {res['kills']} SIGKILLs), {res['steps']} peer-steps, "

@@ -80,7 +80,10 @@ def _read_event(proc, event, timeout):
                          f"stderr: {proc.stderr.read()[-2000:] if proc.poll() is not None else '(running)'}")
 
 
-def test_sigkill_mid_all_reduce_survivors_abort_restore_and_retry(svc):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_dead_peer_mid_all_reduce_survivors_abort_restore_and_retry(svc, sig):
+    """SIGKILL closes the victim's sockets (detected at once); SIGSTOP keeps them open and
+    silent, so only the service's heartbeat timeout (3 s here) can detect it."""
     n, size, link = 4, 1 << 20, 4e6   # 4 MiB per peer over 4 MB/s links: ~2 s per all-reduce
     procs = [_spawn(svc.address, f"p{i}", n, size, link) for i in range(n)]
     try:
@@ -88,17 +91,22 @@ def test_sigkill_mid_all_reduce_survivors_abort_restore_and_retry(svc):
         assert all(s["world"] == n for s in starts)
         time.sleep(0.6)  # every peer is inside the all-reduce now
         victim = procs[1]
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(10)
+        victim.send_signal(sig)
+        if sig == signal.SIGKILL:
+            victim.wait(10)
         survivors = [p for p in procs if p is not victim]
         firsts = [_read_event(p, "aborted", 30) for p in survivors]
         assert all(f["restored"] for f in firsts), firsts   # caller's buffer restored
+        if sig == signal.SIGSTOP:
+            assert any("no heartbeat" in f["reason"] for f in firsts), firsts
         retries = [_read_event(p, "retry_ok", 60) for p in survivors]
         expected = sum(r["input"] for r in retries)        # the survivors' inputs only
         for r in retries:
             assert r["world"] == n - 1 and r["all_equal"]
             assert r["value"] == expected, (r, expected)
         assert len({tuple(r["ring"]) for r in retries}) == 1
+        if sig == signal.SIGSTOP:
+            victim.kill()
         for p in survivors:
             assert p.wait(30) == 0
     finally:
@@ -224,3 +232,25 @@ def test_intruders_are_rejected_and_run_continues(svc, caplog):
         assert "refused" in text  # the shared-state server refused the forged auth
     finally:
         close_all(comms)
+
+
+def test_embedded_master():
+    """host_master=True: the first peer runs the service in a background thread."""
+    c0 = Communicator(None, secret=SECRET, host_master=True, timeout_s=20)
+    c1 = Communicator(c0.address, secret=SECRET, timeout_s=20)
+    try:
+        c0.connect()
+        c1.connect()
+        c0.update_topology()
+
+        def admit():
+            while c0.world_size < 2:
+                if c0.are_peers_pending():
+                    c0.update_topology()
+
+        run_threads([admit, c1.update_topology])
+        outs = run_threads([lambda c=c, v=v: c.all_reduce(np.full(3, v, np.int64)) for c, v in ((c0, 2), (c1, 5))])
+        assert all(np.array_equal(o, np.full(3, 7, np.int64)) for o in outs)
+    finally:
+        c1.close()
+        c0.close()

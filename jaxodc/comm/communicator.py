@@ -135,6 +135,7 @@ class Communicator:
         self._inflight: dict[int, AllReduceHandle] = {}
         self._inflight_lock = threading.Lock()
         self._abort_count = 0
+        self._abort_reason = ""
         self.accepted = False
         self._ring: list[str] = []
         self._rank = -1
@@ -251,6 +252,7 @@ class Communicator:
                         w.value = msg
                         w.event.set()
                 elif t == "abort":
+                    self._abort_reason = str(msg.get("reason"))
                     self._abort_count += 1
                     log.info("%s: abort from the service: %s", self._who(), msg.get("reason"))
                     if self.ep is not None:
@@ -423,7 +425,9 @@ class Communicator:
                                   reason=f"{type(err).__name__}: {err}")
                 except (CommError, TimeoutError):
                     pass
-            raise CollectiveAborted(f"{self._who()}: {what} aborted: {type(err).__name__}: {err}") from err
+            why = (f"aborted by the service ({self._abort_reason})" if self._abort_count != aborts
+                   else f"{type(err).__name__}: {err}")
+            raise CollectiveAborted(f"{self._who()}: {what} failed: {why}") from err
         self._request(f"close {what}", "close", tag=tag, op=r["op"], ok=True)
         if out is not None:
             np.copyto(out, res)

@@ -299,6 +299,10 @@ class CoordinatorService:
                 pass  # the measurement task sees the failed future and fails the op
             else:
                 self._progress_major(group)
+        if not group.alive_ids():
+            if group.major is not None and group.major.phase == "vote":
+                group.major = None  # nobody left to vote
+            self._check_topology(group)  # parked newcomers bootstrap the group again
         self._check_pending_round(group)
 
     def _abort_collectives(self, group: Group, reason: str) -> None:
@@ -562,8 +566,10 @@ class CoordinatorService:
         if msg.get("strategy") not in ("enforce_popular", "send_only", "receive_only"):
             self._error(peer, rid, f"unknown shared-state strategy {msg.get('strategy')!r}")
             return
-        if not isinstance(msg.get("hashes"), dict) or not isinstance(msg.get("revision"), int):
-            raise ValueError("sync request needs a revision (int) and hashes (map)")
+        hashes = msg.get("hashes")
+        if (not isinstance(hashes, dict) or not isinstance(msg.get("revision"), int)
+                or not all(isinstance(k, str) and isinstance(h, int) and 0 <= h < 1 << 64 for k, h in hashes.items())):
+            raise ValueError("sync request needs a revision (int) and hashes (map of str -> uint64)")
         if self._begin_major(peer, group, rid, "sync", msg) is not None:
             self._check_sync_votes(group)
 
@@ -655,12 +661,18 @@ class CoordinatorService:
     # --- topology optimisation ----------------------------------------------------------------
 
     def _on_optimize(self, peer, group, rid, msg):
+        nbytes = msg.get("nbytes")
+        if nbytes is not None and (not isinstance(nbytes, int) or not 0 < nbytes <= 1 << 30):
+            raise ValueError(f"optimize: nbytes must be a positive int up to 1 GiB, got {nbytes!r}")
         if self._begin_major(peer, group, rid, "optimize", msg) is not None:
             self._check_optimize_votes(group)
 
     def _check_optimize_votes(self, group: Group) -> None:
         op = group.major
         if not group.alive_ids() <= set(op.votes):
+            return
+        if not op.votes:
+            group.major = None
             return
         op.phase = "run"
         op.participants = set(op.votes)
