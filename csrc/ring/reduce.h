@@ -126,17 +126,20 @@ struct QMeta { float lo; float scale; };
 JAXODC_HD float dequant_value(uint32_t q, QMeta m) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(m.lo, __fmul_rn(static_cast<float>(q), m.scale));
+#elif defined(__x86_64__) && !defined(__FMA__)
+  return m.lo + static_cast<float>(q) * m.scale;  // no FMA instructions: nothing to contract
 #else
-  volatile float prod = static_cast<float>(q) * m.scale;  // volatile: no contraction into an FMA
+  volatile float prod = static_cast<float>(q) * m.scale;  // keep the compiler from fusing an FMA
   return m.lo + prod;
 #endif
 }
 
+// Branch-free so the host loops vectorise (max/min select; NaN maps to 0).
 JAXODC_HD uint32_t quant_value(float v, QMeta m, float inv, float levels) {
   float t = (v - m.lo) * inv + 0.5f;
-  if (!(t > 0.0f)) return 0;  // also NaN
-  if (t >= levels) return static_cast<uint32_t>(levels);
-  return static_cast<uint32_t>(t);
+  t = t > 0.0f ? t : 0.0f;
+  t = t < levels ? t : levels;
+  return static_cast<uint32_t>(static_cast<int32_t>(t));
 }
 
 }  // namespace jaxodc::ring

@@ -6,6 +6,10 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -188,7 +192,7 @@ void Endpoint::close() {
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listen_fd_);
   std::shared_ptr<RingState> rs;
-  std::vector<std::thread> handlers;
+  std::vector<Handler> handlers;
   {
     std::lock_guard<std::mutex> g(mu_);
     rs = std::move(ring_);
@@ -199,7 +203,7 @@ void Endpoint::close() {
     pending_.clear();
   }
   if (rs) teardown_ring(rs);
-  for (auto& t : handlers) t.join();
+  for (auto& h : handlers) h.th.join();
   cv_.notify_all();
 }
 
@@ -212,16 +216,29 @@ void Endpoint::accept_loop() {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     tcp::tune_socket(fd);
-    std::lock_guard<std::mutex> g(mu_);
-    if (closing_) { ::close(fd); break; }
-    handler_fds_.insert(fd);
-    handlers_.emplace_back([this, fd] { handle_incoming(fd); });
+    std::vector<std::thread> finished;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (closing_) { ::close(fd); break; }
+      for (size_t i = 0; i < handlers_.size();) {
+        if (handlers_[i].done->load()) {
+          finished.push_back(std::move(handlers_[i].th));
+          handlers_.erase(handlers_.begin() + i);
+        } else {
+          ++i;
+        }
+      }
+      handler_fds_.insert(fd);
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      handlers_.push_back({std::thread([this, fd, done] { handle_incoming(fd, done); }), done});
+    }
+    for (auto& t : finished) t.join();
   }
 }
 
 // Server side of the handshake, then either parks a ring connection for connect_ring() or answers
 // a bandwidth probe. Bad peers are logged and dropped; nothing they send can crash the endpoint.
-void Endpoint::handle_incoming(int fd) {
+void Endpoint::handle_incoming(int fd, std::shared_ptr<std::atomic<bool>> done) {
   bool keep = false;
   std::string what = "incoming connection on " + address_;
   try {
@@ -273,6 +290,7 @@ void Endpoint::handle_incoming(int fd) {
   std::lock_guard<std::mutex> g(mu_);
   handler_fds_.erase(fd);
   if (!keep) ::close(fd);
+  done->store(true);
 }
 
 int Endpoint::world() const {
@@ -519,6 +537,38 @@ void Endpoint::abort() {
 // ---------------------------------------------------------------------------------------------
 // One all-reduce
 
+// Range of a float piece; SSE min/max because compilers do not vectorise a float min reduction
+// without fast-math (the order does not matter: only the sender computes it and ships the result).
+static void minmax_f32(const float* v, size_t n, float* lo_out, float* hi_out) {
+  float lo = v[0], hi = v[0];
+  size_t i = 1;
+#if defined(__SSE2__)
+  if (n >= 8) {
+    __m128 l = _mm_loadu_ps(v), h = l;
+    for (i = 4; i + 4 <= n; i += 4) {
+      __m128 x = _mm_loadu_ps(v + i);
+      l = _mm_min_ps(l, x);
+      h = _mm_max_ps(h, x);
+    }
+    float ls[4], hs[4];
+    _mm_storeu_ps(ls, l);
+    _mm_storeu_ps(hs, h);
+    lo = ls[0];
+    hi = hs[0];
+    for (int k = 1; k < 4; ++k) {
+      lo = ls[k] < lo ? ls[k] : lo;
+      hi = hs[k] > hi ? hs[k] : hi;
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    lo = v[i] < lo ? v[i] : lo;
+    hi = v[i] > hi ? v[i] : hi;
+  }
+  *lo_out = lo;
+  *hi_out = hi;
+}
+
 template <DType D>
 struct Kernels {
   using Tr = Traits<D>;
@@ -542,11 +592,15 @@ struct Kernels {
   template <typename Q>
   static QMeta quantize(const T* v, Q* q, size_t n, float levels) {
     float lo = 0, hi = 0;
-    if (n) lo = hi = static_cast<float>(Tr::load(v[0]));
-    for (size_t i = 1; i < n; ++i) {
-      float f = static_cast<float>(Tr::load(v[i]));
-      lo = f < lo ? f : lo;
-      hi = f > hi ? f : hi;
+    if constexpr (D == DType::kF32) {
+      if (n) minmax_f32(v, n, &lo, &hi);
+    } else {
+      if (n) lo = hi = static_cast<float>(Tr::load(v[0]));
+      for (size_t i = 1; i < n; ++i) {
+        float f = static_cast<float>(Tr::load(v[i]));
+        lo = f < lo ? f : lo;
+        hi = f > hi ? f : hi;
+      }
     }
     QMeta m{lo, (hi - lo) / levels};
     float inv = hi > lo ? levels / (hi - lo) : 0.0f;

@@ -72,7 +72,7 @@ class Endpoint {
  private:
   friend struct OpRunner;
   void accept_loop();
-  void handle_incoming(int fd);
+  void handle_incoming(int fd, std::shared_ptr<std::atomic<bool>> done);
   void teardown_ring(std::shared_ptr<RingState> rs);
   void dispatcher_loop(std::shared_ptr<RingState> rs);
   std::shared_ptr<Link> link_for(const std::string& peer);
@@ -93,7 +93,8 @@ class Endpoint {
   std::shared_ptr<RingState> ring_;
   struct Pending { int fd; uint32_t slot; std::string src; };
   std::map<uint64_t, std::vector<Pending>> pending_;  // epoch -> authenticated ring connections
-  std::vector<std::thread> handlers_;
+  struct Handler { std::thread th; std::shared_ptr<std::atomic<bool>> done; };
+  std::vector<Handler> handlers_;  // finished ones are reaped by the acceptor
   std::set<int> handler_fds_;
   std::map<std::string, std::shared_ptr<Link>> links_;
   std::vector<std::unique_ptr<std::vector<char>>> work_free_;
