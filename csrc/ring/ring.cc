@@ -614,44 +614,121 @@ struct Kernels {
   }
 };
 
+// Host arrays: sends point straight into x / out, all-gather pieces are received in place, partial
+// results live in out (x is only read).
+template <DType D>
+class CpuOps final : public PieceOps {
+  using T = typename Traits<D>::T;
+  using K = Kernels<D>;
+
+ public:
+  CpuOps(const OpLayout& L, const char* x, char* out) : L_(L), x_(x), out_(out) {
+    if (L.quant != Quant::kNone) {
+      sendq_.resize(L.piece_elems * L.quant_size);
+      recvbuf_.resize(L.piece_elems * L.quant_size);
+      agq_.resize(L.count * L.quant_size);
+      agmeta_.resize(L.num_qpieces);
+    } else {
+      recvbuf_.resize(L.piece_elems * L.elem_size);
+    }
+  }
+
+  const char* send_payload(const Piece& p, QMeta* meta, size_t* nbytes) override {
+    size_t es = L_.elem_size, qs = L_.quant_size;
+    if (L_.reduce_scatter(p)) {
+      const char* src = (p.step == 0 ? x_ : out_) + p.off * es;
+      if (L_.quant == Quant::kNone) {
+        *nbytes = p.n * es;
+        return src;
+      }
+      *meta = quantize(src, sendq_.data(), p.n);
+      *nbytes = p.n * qs;
+      return sendq_.data();
+    }
+    if (L_.quant == Quant::kNone) {
+      *nbytes = p.n * es;
+      return out_ + p.off * es;
+    }
+    *meta = agmeta_[p.qidx];
+    *nbytes = p.n * qs;
+    return agq_.data() + p.off * qs;
+  }
+
+  char* recv_target(const Piece& p) override {
+    if (L_.reduce_scatter(p)) return recvbuf_.data();
+    return L_.quant == Quant::kNone ? out_ + p.off * L_.elem_size : agq_.data() + p.off * L_.quant_size;
+  }
+
+  void on_recv(const Piece& p, QMeta m) override {
+    T* os = reinterpret_cast<T*>(out_) + p.off;
+    if (L_.reduce_scatter(p)) {
+      bool last = L_.last_reduce(p);
+      const T* xs = reinterpret_cast<const T*>(x_) + p.off;
+      if (L_.quant == Quant::kNone)
+        K::reduce(reinterpret_cast<const T*>(recvbuf_.data()), xs, os, p.n, L_.op, last, L_.world);
+      else if (L_.quant == Quant::kU8)
+        K::template reduce_q<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
+      else
+        K::template reduce_q<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
+      if (last && L_.quant != Quant::kNone) {  // the owner's single quantisation; it keeps the same bytes
+        char* q = agq_.data() + p.off * L_.quant_size;
+        agmeta_[p.qidx] = quantize(reinterpret_cast<const char*>(os), q, p.n);
+        dequantize(q, agmeta_[p.qidx], os, p.n);
+      }
+    } else if (L_.quant != Quant::kNone) {
+      agmeta_[p.qidx] = m;
+      dequantize(agq_.data() + p.off * L_.quant_size, m, os, p.n);
+    }
+  }
+
+ private:
+  QMeta quantize(const char* src, char* dst, size_t n) {
+    const T* v = reinterpret_cast<const T*>(src);
+    if (L_.quant == Quant::kU8) return K::template quantize<uint8_t>(v, reinterpret_cast<uint8_t*>(dst), n, 255.0f);
+    return K::template quantize<uint16_t>(v, reinterpret_cast<uint16_t*>(dst), n, 65535.0f);
+  }
+  void dequantize(const char* q, QMeta m, T* out, size_t n) {
+    if (L_.quant == Quant::kU8) K::template dequantize<uint8_t>(reinterpret_cast<const uint8_t*>(q), m, out, n);
+    else K::template dequantize<uint16_t>(reinterpret_cast<const uint16_t*>(q), m, out, n);
+  }
+
+  OpLayout L_;
+  const char* x_;
+  char* out_;
+  std::vector<char> sendq_, recvbuf_, agq_;
+  std::vector<QMeta> agmeta_;
+};
+
 struct OpRunner {
   Endpoint* ep;
   std::shared_ptr<RingState> rs;
-  const char* x;
-  char* out;
-  size_t count;
-  DType dt;
-  Op op;
-  Quant quant;
   uint32_t tag;
-  size_t es, qs, P;
-  int W, r;
+  OpLayout L;
   int out_slot = -1, in_idx = -1;
   int out_fd = -1, in_fd = -1;
   std::shared_ptr<Link> link;
+  std::unique_ptr<PieceOps> ops;
 
-  struct Item { int step; int chunk; size_t off, n, qidx; };
-  std::vector<Item> items;  // per step j, pieces of its chunk (same list for send and recv shapes)
   std::vector<size_t> step_begin_send, step_begin_recv;
-  std::vector<Item> sends, recvs;
+  std::vector<Piece> sends, recvs;
   std::vector<double> recv_done_t;
-  std::vector<char> recvbuf, sendq, agq;
-  std::vector<QMeta> agmeta;
 
   std::string where() const {
     return " (all_reduce tag " + std::to_string(tag) + ", epoch " + std::to_string(rs->epoch) + ")";
   }
 
-  size_t chunk_start(int c) const { return static_cast<size_t>((unsigned __int128)count * c / W); }
+  size_t chunk_start(int c) const { return static_cast<size_t>((unsigned __int128)L.count * c / L.world); }
 
   void build() {
+    int W = L.world, r = L.rank;
+    size_t P = L.piece_elems;
     std::vector<size_t> qbase(W + 1, 0);
     for (int c = 0; c < W; ++c) {
       size_t len = chunk_start(c + 1) - chunk_start(c);
       qbase[c + 1] = qbase[c] + (len + P - 1) / P;
     }
-    agmeta.resize(qbase[W]);
-    auto pieces = [&](int step, int c, std::vector<Item>& v) {
+    L.num_qpieces = qbase[W];
+    auto pieces = [&](int step, int c, std::vector<Piece>& v) {
       size_t s = chunk_start(c), e = chunk_start(c + 1);
       size_t k = 0;
       for (size_t o = s; o < e; o += P, ++k) v.push_back({step, c, o, std::min(P, e - o), qbase[c] + k});
@@ -674,94 +751,15 @@ struct OpRunner {
     step_begin_send.push_back(sends.size());
     step_begin_recv.push_back(recvs.size());
     recv_done_t.assign(recvs.size(), 0.0);
-    if (quant != Quant::kNone) {
-      sendq.resize(P * qs);
-      recvbuf.resize(P * qs);
-      agq.resize(count * qs);
-    } else {
-      recvbuf.resize(P * es);
-    }
   }
 
-  // Index of the received piece a send item depends on, or -1 (step 0 sends local data).
+  // Index of the received piece a send item depends on, or -1 (step 0 sends local data). Send
+  // step j carries the chunk received at step j-1, so piece p depends on that step's piece p.
   long dep_of(size_t si) const {
-    const Item& it = sends[si];
+    const Piece& it = sends[si];
     if (it.step == 0) return -1;
     size_t p = si - step_begin_send[it.step];
     return static_cast<long>(step_begin_recv[it.step - 1] + p);
-  }
-
-  template <DType D>
-  QMeta quantize_into(const char* src, char* dst, size_t n) {
-    using T = typename Traits<D>::T;
-    if (quant == Quant::kU8)
-      return Kernels<D>::template quantize<uint8_t>(reinterpret_cast<const T*>(src), reinterpret_cast<uint8_t*>(dst), n, 255.0f);
-    return Kernels<D>::template quantize<uint16_t>(reinterpret_cast<const T*>(src), reinterpret_cast<uint16_t*>(dst), n, 65535.0f);
-  }
-  template <DType D>
-  void dequantize_into(const char* q, QMeta m, char* dst, size_t n) {
-    using T = typename Traits<D>::T;
-    if (quant == Quant::kU8)
-      Kernels<D>::template dequantize<uint8_t>(reinterpret_cast<const uint8_t*>(q), m, reinterpret_cast<T*>(dst), n);
-    else
-      Kernels<D>::template dequantize<uint16_t>(reinterpret_cast<const uint16_t*>(q), m, reinterpret_cast<T*>(dst), n);
-  }
-
-  // A received reduce-scatter piece: out = combine(partial, x) (+ average and the owner's single
-  // quantisation on the last step).
-  template <DType D>
-  void on_rs_piece(const Item& it, QMeta m) {
-    using T = typename Traits<D>::T;
-    bool last = it.step == W - 2;
-    const T* xs = reinterpret_cast<const T*>(x) + it.off;
-    T* os = reinterpret_cast<T*>(out) + it.off;
-    if (quant == Quant::kNone) {
-      Kernels<D>::reduce(reinterpret_cast<const T*>(recvbuf.data()), xs, os, it.n, op, last, W);
-    } else if (quant == Quant::kU8) {
-      Kernels<D>::template reduce_q<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf.data()), m, xs, os, it.n, op, last, W);
-    } else {
-      Kernels<D>::template reduce_q<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf.data()), m, xs, os, it.n, op, last, W);
-    }
-    if (last && quant != Quant::kNone) {
-      char* q = agq.data() + it.off * qs;
-      QMeta om = quantize_into<D>(reinterpret_cast<const char*>(os), q, it.n);
-      agmeta[it.qidx] = om;
-      dequantize_into<D>(q, om, reinterpret_cast<char*>(os), it.n);
-    }
-  }
-
-  template <DType D>
-  void on_recv(const Item& it, QMeta m) {
-    if (it.step < W - 1) {
-      on_rs_piece<D>(it, m);
-    } else if (quant != Quant::kNone) {
-      agmeta[it.qidx] = m;
-      dequantize_into<D>(agq.data() + it.off * qs, m, out + it.off * es, it.n);
-    }
-  }
-
-  template <DType D>
-  QMeta prepare_send(const Item& it, const char** payload, size_t* nbytes) {
-    if (it.step < W - 1) {
-      const char* src = (it.step == 0 ? x : out) + it.off * es;
-      if (quant == Quant::kNone) {
-        *payload = src;
-        *nbytes = it.n * es;
-        return {0, 0};
-      }
-      QMeta m = quantize_into<D>(src, sendq.data(), it.n);
-      *payload = sendq.data();
-      *nbytes = it.n * qs;
-      return m;
-    }
-    if (quant == Quant::kNone) {
-      *payload = out + it.off * es;
-      *nbytes = it.n * es;
-      return {0, 0};
-    }
-    *payload = agq.data() + it.off * qs;
-    *nbytes = it.n * qs;
-    return agmeta[it.qidx];
   }
 
   void check_abort() {
@@ -835,12 +833,11 @@ struct OpRunner {
     }
   }
 
-  template <DType D>
-  void run() {
+  void run(const OpsFactory& make) {
     link = ep->link_for(rs->next);
     acquire();
-    StartHdr mine{kStartMagic, tag, rs->epoch, count, static_cast<uint32_t>(dt), static_cast<uint32_t>(op),
-                  static_cast<uint32_t>(quant), static_cast<uint32_t>(P)};
+    StartHdr mine{kStartMagic, tag, rs->epoch, L.count, static_cast<uint32_t>(L.dtype), static_cast<uint32_t>(L.op),
+                  static_cast<uint32_t>(L.quant), static_cast<uint32_t>(L.piece_elems)};
     tcp::send_all(out_fd, &mine, sizeof(mine), now_s() + ep->timeout_s_, nullptr,
                   "sending operation header to next peer " + rs->next);
     ep->bytes_sent += sizeof(mine);
@@ -849,23 +846,27 @@ struct OpRunner {
         theirs.quant != mine.quant || theirs.piece_elems != mine.piece_elems)
       throw TcpError(ErrKind::kProtocol,
                      "previous peer " + rs->prev + " started a different operation with the same tag: count " +
-                         std::to_string(theirs.count) + " vs " + std::to_string(count) + ", dtype " +
+                         std::to_string(theirs.count) + " vs " + std::to_string(L.count) + ", dtype " +
                          std::to_string(theirs.dtype) + " vs " + std::to_string(mine.dtype) + ", op " +
                          std::to_string(theirs.op) + " vs " + std::to_string(mine.op) + ", quantize " +
-                         std::to_string(theirs.quant) + " vs " + std::to_string(mine.quant));
+                         std::to_string(theirs.quant) + " vs " + std::to_string(mine.quant) + ", piece " +
+                         std::to_string(theirs.piece_elems) + " vs " + std::to_string(mine.piece_elems));
     build();
+    ops = make(L);
+
+    const size_t wire_es = L.quant == Quant::kNone ? L.elem_size : L.quant_size;
     double t_start = now_s();
     double latency = link->lat();
     size_t si = 0, ri = 0;
-    // send state
+    // send state: header + payload of sends[si]
     bool prepared = false;
     FrameHdr sh{};
     const char* spay = nullptr;
-    size_t snb = 0, ssent = 0;  // ssent counts header + payload bytes
+    size_t snb = 0, ssent = 0;
     double release_t = 0;
-    // recv state
+    // receive state: header + payload of recvs[ri]
     FrameHdr rh{};
-    size_t rgot = 0;  // header + payload bytes
+    size_t rgot = 0;
     char* rdst = nullptr;
     double last_progress = now_s();
     while (si < sends.size() || ri < recvs.size()) {
@@ -877,9 +878,11 @@ struct OpRunner {
         if (!prepared) {
           long d = dep_of(si);
           if (d < 0 || static_cast<size_t>(d) < ri) {
-            QMeta m = prepare_send<D>(sends[si], &spay, &snb);
+            QMeta m{0, 0};
+            spay = ops->send_payload(sends[si], &m, &snb);
             sh = {kFrameMagic, tag, static_cast<uint32_t>(si), static_cast<uint32_t>(snb), m.lo, m.scale, rs->epoch};
             ssent = 0;
+            // emulated latency: a piece leaves `latency` after it became ready
             release_t = (d < 0 ? t_start : recv_done_t[d]) + latency;
             prepared = true;
           }
@@ -934,7 +937,7 @@ struct OpRunner {
         }
       }
       if (ri < recvs.size() && (fds[1].revents & (POLLIN | POLLERR | POLLHUP))) {
-        const Item& it = recvs[ri];
+        const Piece& it = recvs[ri];
         char* dst;
         size_t want;
         if (rgot < sizeof(FrameHdr)) {
@@ -954,15 +957,13 @@ struct OpRunner {
           ep->bytes_received += static_cast<uint64_t>(k);
           progress = true;
           if (rgot == sizeof(FrameHdr) && static_cast<size_t>(k) == want) {
-            size_t expect = it.n * (quant == Quant::kNone ? es : qs);
-            if (rh.magic != kFrameMagic || rh.tag != tag || rh.seq != ri || rh.nbytes != expect || rh.epoch != rs->epoch)
+            if (rh.magic != kFrameMagic || rh.tag != tag || rh.seq != ri || rh.nbytes != it.n * wire_es ||
+                rh.epoch != rs->epoch)
               throw TcpError(ErrKind::kProtocol, "protocol error from previous peer " + rs->prev + ": unexpected frame");
-            bool direct = it.step >= W - 1;  // all-gather pieces land in their final place
-            if (direct) rdst = quant == Quant::kNone ? out + it.off * es : agq.data() + it.off * qs;
-            else rdst = recvbuf.data();
+            rdst = ops->recv_target(it);
           }
           if (rgot > sizeof(FrameHdr) && rgot == sizeof(FrameHdr) + rh.nbytes) {
-            on_recv<D>(it, {rh.qlo, rh.qscale});
+            ops->on_recv(it, {rh.qlo, rh.qscale});
             recv_done_t[ri] = now_s();
             ++ri;
             rgot = 0;
@@ -980,7 +981,8 @@ struct OpRunner {
   }
 };
 
-OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant, uint32_t tag) {
+OpResult Endpoint::run_op(size_t count, DType dtype, Op op, Quant quant, uint32_t tag, const OpsFactory& make,
+                          const std::function<void()>& single) {
   OpResult res;
   std::shared_ptr<RingState> rs;
   {
@@ -991,57 +993,80 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
   if (!rs) return {Status::kInvalid, "endpoint " + address_ + " is not connected: call connect_ring first"};
   if (quant != Quant::kNone && !dtype_is_float(dtype))
     return {Status::kInvalid, "quantized all_reduce needs a floating dtype" + where};
-  size_t es = dtype_size(dtype);
-  size_t nbytes = count * es;
   {
     std::lock_guard<std::mutex> g(rs->mu);
     if (rs->aborted) return {Status::kAborted, "endpoint " + address_ + " was aborted; reconnect with a new epoch" + where};
     if (!rs->broken.empty()) return {Status::kConnection, rs->broken + where};
   }
   if (rs->world == 1) {
-    if (out != x) std::memmove(out, x, nbytes);
+    try {
+      single();
+    } catch (const std::exception& e) {
+      return {Status::kInvalid, std::string(e.what()) + where};
+    }
     ops_ok++;
     return res;
   }
-  const char* xb = static_cast<const char*>(x);
-  char* ob = static_cast<char*>(out);
-  bool aliased = nbytes > 0 && xb < ob + nbytes && ob < xb + nbytes;
-  std::vector<char>* work = aliased ? take_work(nbytes) : nullptr;
-  OpRunner R{this, rs, xb, aliased ? work->data() : ob, count, dtype, op, quant, tag, es, quant_size(quant), 0,
-             rs->world, rs->rank};
-  R.P = std::max<size_t>(1, piece_bytes_ / es);
+  size_t es = dtype_size(dtype);
+  OpLayout L{rs->world, rs->rank, count, std::max<size_t>(1, piece_bytes_ / es), es, quant_size(quant), 0,
+             dtype, op, quant};
+  OpRunner R{this, rs, tag, L};
   bool ok = false;
   try {
-    switch (dtype) {
-      case DType::kF32: R.run<DType::kF32>(); break;
-      case DType::kF64: R.run<DType::kF64>(); break;
-      case DType::kF16: R.run<DType::kF16>(); break;
-      case DType::kBF16: R.run<DType::kBF16>(); break;
-      case DType::kI32: R.run<DType::kI32>(); break;
-      case DType::kI64: R.run<DType::kI64>(); break;
-    }
+    R.run(make);
     ok = true;
-    if (aliased) std::memcpy(ob, work->data(), nbytes);  // commit: x is overwritten only now
-  } catch (const TcpError& e) {
+  } catch (const std::exception& e) {
+    const auto* te = dynamic_cast<const TcpError*>(&e);
     bool aborted;
     {
       std::lock_guard<std::mutex> g(rs->mu);
       aborted = rs->aborted;
       if (!aborted && rs->broken.empty()) rs->broken = e.what();
     }
-    if (aborted || e.kind == ErrKind::kAborted)
+    if (aborted || (te && te->kind == ErrKind::kAborted))
       res = {Status::kAborted, "all_reduce aborted on " + address_ + R.where() + "; input buffer restored"};
-    else
-      res = {e.kind == ErrKind::kTimeout ? Status::kTimeout : Status::kConnection,
+    else if (te)
+      res = {te->kind == ErrKind::kTimeout ? Status::kTimeout : Status::kConnection,
              std::string(e.what()) + R.where() + " on " + address_};
-  } catch (const std::exception& e) {
-    res = {Status::kInvalid, std::string(e.what()) + R.where()};
+    else
+      res = {Status::kInvalid, std::string(e.what()) + R.where() + " on " + address_};
   }
   R.release(ok);
-  if (work) give_work(work);
   if (ok) ops_ok++;
   else ops_failed++;
   return res;
+}
+
+OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant, uint32_t tag) {
+  size_t nbytes = count * dtype_size(dtype);
+  const char* xb = static_cast<const char*>(x);
+  char* ob = static_cast<char*>(out);
+  // Aliased in/out runs into a cached work buffer and commits with one memcpy at the end.
+  bool aliased = nbytes > 0 && xb < ob + nbytes && ob < xb + nbytes;
+  std::vector<char>* work = nullptr;
+  char* target = ob;
+  auto make = [&](const OpLayout& L) -> std::unique_ptr<PieceOps> {
+    if (aliased) {
+      work = take_work(nbytes);
+      target = work->data();
+    }
+    switch (L.dtype) {
+      case DType::kF32: return std::make_unique<CpuOps<DType::kF32>>(L, xb, target);
+      case DType::kF64: return std::make_unique<CpuOps<DType::kF64>>(L, xb, target);
+      case DType::kF16: return std::make_unique<CpuOps<DType::kF16>>(L, xb, target);
+      case DType::kBF16: return std::make_unique<CpuOps<DType::kBF16>>(L, xb, target);
+      case DType::kI32: return std::make_unique<CpuOps<DType::kI32>>(L, xb, target);
+      default: return std::make_unique<CpuOps<DType::kI64>>(L, xb, target);
+    }
+  };
+  OpResult r = run_op(count, dtype, op, quant, tag, make, [&] {
+    if (ob != xb) std::memmove(ob, xb, nbytes);
+  });
+  if (work) {
+    if (r.status == Status::kOk) std::memcpy(ob, work->data(), nbytes);  // commit: x overwritten only now
+    give_work(work);
+  }
+  return r;
 }
 
 std::shared_ptr<Endpoint> endpoint_by_handle(int64_t handle) {

@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "ring/engine.h"
 #include "ring/reduce.h"
 
 namespace jaxodc::ring {
@@ -58,6 +59,10 @@ class Endpoint {
   // Blocking; thread-safe (several may run concurrently). out may alias x.
   OpResult all_reduce(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant,
                       uint32_t tag);
+  // Generic form used by device handlers: `make` supplies the memory side of the op (see
+  // engine.h); `single` runs instead when the ring has one peer.
+  OpResult run_op(size_t count, DType dtype, Op op, Quant quant, uint32_t tag, const OpsFactory& make,
+                  const std::function<void()>& single);
   void abort();
   void set_link(const std::string& peer, double bandwidth_bytes_per_s, double latency_s);
   double measure_bandwidth(const std::string& peer, size_t nbytes);
