@@ -1,0 +1,246 @@
+"""Churn stress for the fault-tolerant communicator.
+
+Driver (embedded coordination service, peers as subprocesses)::
+
+    python bench/churn.py --minutes 10 [--max-peers 6] [--json out.json]
+
+Every 0.5-2 s it spawns a peer or SIGKILLs a random one (never the last peer holding the shared
+state). Each peer runs the PCCL loop: admit pending peers, sync shared state (revision r), all-reduce
+fake gradients (two concurrent all-reduces, distinct tags) with retry, advance the state
+deterministically to revision r+1. Peers report the shared-state hash after each sync and after each
+step. The run fails if 30 s pass without any completed step, if two peers ever report different
+hashes for the same revision, or if a peer dies of anything but SIGKILL.
+
+``python bench/churn.py worker MASTER SECRET NAME OUTFILE`` is one peer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SIZE = 100_000  # elements per gradient (400 kB): long enough that kills land inside all-reduces
+
+
+def worker(master: str, secret: str, name: str, outfile: str, link: str = "0") -> int:
+    from jaxodc.comm import shared_state as ss
+    from jaxodc.comm.communicator import Communicator
+
+    out = open(outfile, "a", buffering=1)
+
+    def emit(kind, rev, h, world):
+        out.write(f"{kind} {rev} {h} {world} {time.time():.3f}\n")
+
+    comm = Communicator(master, secret=secret.encode(), timeout_s=25.0, heartbeat_s=0.25, ring_timeout_s=5.0)
+    comm.connect()
+    comm.update_topology(timeout_s=120.0)
+    # newcomers start from their own (wrong) state: the sync must replace it
+    seed = zlib.crc32(name.encode())
+    state = {"w": np.full(SIZE, float(seed % 97), np.float32), "m": np.zeros(SIZE, np.float32),
+             "step": np.zeros(1, np.int64), "const": np.arange(1000, dtype=np.float64)}
+    rev, first = 0, True
+    rng = np.random.default_rng(seed)
+    link_bps, capped = float(link), set()
+    while True:
+        if not first and comm.are_peers_pending():
+            comm.update_topology()
+        first = False
+        if link_bps > 0:  # emulated link cap: all-reduces take long enough to be killed inside
+            for peer in set(comm.ring) - capped - {comm.ep.address}:
+                comm.ep.set_link(peer, link_bps, 0.0)
+                capped.add(peer)
+        info = comm.run_with_retry(comm.sync_shared_state, state, rev)
+        rev = info.revision
+        emit("SYNC", rev, info.hash, comm.world_size)
+        g1 = rng.standard_normal(SIZE).astype(np.float32)
+        g2 = rng.standard_normal(SIZE // 4).astype(np.float32)
+
+        def reduce_both():
+            h1 = comm.all_reduce_async(g1, op="avg", tag=1)
+            h2 = comm.all_reduce_async(g2, op="sum", tag=2)
+            errs, res = [], []
+            for h in (h1, h2):  # wait for both before raising, so no tag stays in flight
+                try:
+                    res.append(h.wait())
+                except Exception as e:  # noqa: BLE001 - re-raised below
+                    errs.append(e)
+            if errs:
+                raise errs[0]
+            return res
+
+        a1, a2 = comm.run_with_retry(reduce_both)
+        state["m"] = (np.float32(0.9) * state["m"] + a1).astype(np.float32)
+        state["w"] = (state["w"] - np.float32(0.01) * state["m"]).astype(np.float32)
+        state["w"][: a2.size] += np.float32(1e-3) * a2
+        state["step"] += 1
+        rev += 1
+        emit("POST", rev, ss.combined_hash(ss.state_hashes(state)), comm.world_size)
+        time.sleep(0.01)
+
+
+class Churn:
+    def __init__(self, seconds: float, max_peers: int = 6, seed: int = 0, stall_s: float = 30.0,
+                 workdir: str | None = None, link_bps: float = 0.0, log=print):
+        import tempfile
+        from jaxodc.coord.service import CoordinatorService
+        self.seconds, self.max_peers, self.stall_s, self.log = seconds, max_peers, stall_s, log
+        self.link_bps = link_bps
+        self.rng = random.Random(seed)
+        self.secret = "churn-secret-%d" % seed
+        self.svc = CoordinatorService("127.0.0.1", 0, self.secret.encode(), heartbeat_timeout_s=5.0).start()
+        self.own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix="jaxodc-churn-")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()
+        self.offsets: dict[str, int] = {}
+        self.established: set[str] = set()
+        self.hashes: dict[int, tuple[int, str]] = {}
+        self.conflicts: list[str] = []
+        self.spawns = self.kills = self.steps = 0
+        self.max_rev = 0
+        self.last_step = time.monotonic()
+        self.longest_gap = 0.0
+        self.unexpected: list[str] = []
+        self.worlds: dict[int, int] = {}
+        self.n = 0
+
+    def spawn(self):
+        self.n += 1
+        name = f"peer{self.n}"
+        path = os.path.join(self.dir, name + ".log")
+        err = open(os.path.join(self.dir, name + ".err"), "w")
+        self.procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", self.svc.address,
+                                             self.secret, name, path, str(self.link_bps)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                            stderr=err)
+        err.close()
+        self.offsets[name] = 0
+        self.spawns += 1
+
+    def kill(self):
+        alive = [n for n, p in self.procs.items() if p.poll() is None]
+        # never kill the last established peer: the shared state would be lost with it
+        cands = [n for n in alive if len(self.established & set(alive) - {n}) >= 1]
+        if not cands:
+            return False
+        name = self.rng.choice(cands)
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+        self.killed.add(name)
+        self.kills += 1
+        return True
+
+    def scan(self):
+        for name in list(self.procs):
+            path = os.path.join(self.dir, name + ".log")
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                f.seek(self.offsets[name])
+                data = f.read()
+            complete = data[: data.rfind("\n") + 1]
+            self.offsets[name] += len(complete)
+            for line in complete.splitlines():
+                kind, rev, h, world, _ = line.split()
+                rev, h = int(rev), int(h)
+                prev = self.hashes.get(rev)
+                if prev is None:
+                    self.hashes[rev] = (h, f"{name}:{kind}")
+                elif prev[0] != h:
+                    self.conflicts.append(f"revision {rev}: {prev[1]} has {prev[0]:#x}, {name}:{kind} has {h:#x}")
+                if kind == "POST":
+                    self.established.add(name)
+                    self.steps += 1
+                    self.worlds[int(world)] = self.worlds.get(int(world), 0) + 1
+                    self.max_rev = max(self.max_rev, rev)
+                    now = time.monotonic()
+                    self.longest_gap = max(self.longest_gap, now - self.last_step)
+                    self.last_step = now
+        for name, p in self.procs.items():
+            if p.poll() is not None and name not in self.killed and name not in self.unexpected:
+                with open(os.path.join(self.dir, name + ".err")) as f:
+                    tail = f.read()[-1500:]
+                self.unexpected.append(name)
+                self.conflicts.append(f"{name} exited with {p.returncode}: {tail}")
+
+    def run(self) -> dict:
+        t0 = time.monotonic()
+        try:
+            for _ in range(3):
+                self.spawn()
+            next_event = time.monotonic() + self.rng.uniform(0.5, 2.0)
+            while time.monotonic() - t0 < self.seconds:
+                time.sleep(0.1)
+                self.scan()
+                if self.conflicts:
+                    break
+                gap = time.monotonic() - self.last_step
+                if gap > self.stall_s:
+                    self.conflicts.append(f"no completed step for {gap:.1f} s")
+                    break
+                if time.monotonic() >= next_event:
+                    alive = sum(p.poll() is None for p in self.procs.values())
+                    # spawning slightly more often than killing keeps worlds of 3-6 peers
+                    if alive < 2 or (alive < self.max_peers and self.rng.random() < 0.6):
+                        self.spawn()
+                    elif not self.kill() and alive < self.max_peers:
+                        self.spawn()
+                    next_event = time.monotonic() + self.rng.uniform(0.5, 2.0)
+            # let the last changes settle, then require progress once more
+            mark = self.steps
+            end = time.monotonic() + self.stall_s
+            while self.steps <= mark + 3 and time.monotonic() < end and not self.conflicts:
+                time.sleep(0.1)
+                self.scan()
+            if self.steps <= mark and not self.conflicts:
+                self.conflicts.append("no step completed after the last peer change")
+        finally:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+            snap = self.svc.snapshot()
+            self.svc.stop()
+        if self.own_dir and not self.conflicts:
+            import shutil
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return {"seconds": round(time.monotonic() - t0, 1), "peer_changes": self.spawns + self.kills,
+                "spawns": self.spawns, "kills": self.kills, "steps": self.steps, "max_revision": self.max_rev,
+                "revisions_checked": len(self.hashes), "longest_gap_s": round(self.longest_gap, 2),
+                "peer_steps_by_world": dict(sorted(self.worlds.items())),
+                "failures": self.conflicts, "service": snap["counters"], "workdir": self.dir}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker(*argv[1:6])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=float(os.environ.get("JAXODC_CHURN_MINUTES", 1.5)))
+    ap.add_argument("--max-peers", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--link-mbps", type=float, default=20.0,
+                    help="emulated outgoing link cap per peer in MB/s (0: loopback speed)")
+    ap.add_argument("--json", help="write the summary here")
+    args = ap.parse_args(argv)
+    res = Churn(args.minutes * 60, args.max_peers, args.seed, link_bps=args.link_mbps * 1e6).run()
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 1 if res["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

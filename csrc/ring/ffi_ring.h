@@ -1,0 +1,41 @@
+// FFI glue shared by the CPU handler (ffi_cpu.cc) and the CUDA handler (ring_cuda.cu).
+#pragma once
+
+#include <string>
+
+#include "ring/ring.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxodc::ring {
+
+inline bool ffi_dtype(xla::ffi::DataType t, DType* out) {
+  using xla::ffi::DataType;
+  switch (t) {
+    case DataType::F32: *out = DType::kF32; return true;
+    case DataType::F64: *out = DType::kF64; return true;
+    case DataType::F16: *out = DType::kF16; return true;
+    case DataType::BF16: *out = DType::kBF16; return true;
+    case DataType::S32: *out = DType::kI32; return true;
+    case DataType::S64: *out = DType::kI64; return true;
+    default: return false;
+  }
+}
+
+inline xla::ffi::Error ffi_status(const OpResult& r) {
+  using xla::ffi::ErrorCode;
+  switch (r.status) {
+    case Status::kOk: return xla::ffi::Error::Success();
+    case Status::kAborted: return xla::ffi::Error(ErrorCode::kAborted, "RingAborted: " + r.message);
+    case Status::kTimeout: return xla::ffi::Error(ErrorCode::kDeadlineExceeded, "TimeoutError: " + r.message);
+    case Status::kConnection: return xla::ffi::Error(ErrorCode::kUnavailable, "ConnectionError: " + r.message);
+    default: return xla::ffi::Error(ErrorCode::kInvalidArgument, r.message);
+  }
+}
+
+}  // namespace jaxodc::ring
+
+// Handlers: (x, token) -> (y, token + 1); attrs handle, op, quant, tag (all int64).
+extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cpu;
+#ifdef JAXODC_WITH_CUDA
+extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cuda;
+#endif

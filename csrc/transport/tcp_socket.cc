@@ -1,0 +1,193 @@
+#include "transport/tcp_socket.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+namespace jaxodc::tcp {
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void split_address(const std::string& addr, std::string* host, int* port) {
+  auto pos = addr.rfind(':');
+  if (pos == std::string::npos || pos == 0 || pos + 1 >= addr.size())
+    throw std::invalid_argument("bad address '" + addr + "': expected host:port");
+  *host = addr.substr(0, pos);
+  try {
+    *port = std::stoi(addr.substr(pos + 1));
+  } catch (...) {
+    throw std::invalid_argument("bad port in address '" + addr + "'");
+  }
+  if (*port < 0 || *port > 65535) throw std::invalid_argument("port out of range in '" + addr + "'");
+}
+
+static sockaddr_in resolve(const std::string& host, int port) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) == 1) return sa;
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || !res)
+    throw TcpError(ErrKind::kConnection, "cannot resolve host '" + host + "'");
+  sa.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return sa;
+}
+
+int listen_on(const std::string& host, int port, int* bound_port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw TcpError(ErrKind::kConnection, std::string("socket(): ") + strerror(errno));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa = resolve(host, port);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 128) != 0) {
+    int e = errno;
+    close(fd);
+    throw TcpError(ErrKind::kConnection,
+                   "cannot listen on " + host + ":" + std::to_string(port) + ": " + strerror(e));
+  }
+  socklen_t len = sizeof(sa);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  *bound_port = ntohs(sa.sin_port);
+  return fd;
+}
+
+void set_nonblocking(int fd, bool on) {
+  int fl = fcntl(fd, F_GETFL, 0);
+  fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
+}
+
+void tune_socket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = 4 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool>* abort_flag) {
+  std::string host;
+  int port;
+  split_address(addr, &host, &port);
+  sockaddr_in sa = resolve(host, port);
+  double deadline = now_s() + timeout_s;
+  double backoff = 0.01;
+  std::string last = "no attempt";
+  while (true) {
+    if (abort_flag && abort_flag->load()) throw TcpError(ErrKind::kAborted, "connect to " + addr + " aborted");
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw TcpError(ErrKind::kConnection, std::string("socket(): ") + strerror(errno));
+    tune_socket(fd);
+    set_nonblocking(fd, true);
+    int rc = connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int ms = static_cast<int>(std::max(0.0, std::min(deadline - now_s(), 0.2)) * 1000) + 1;
+      if (poll(&p, 1, ms) == 1) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        rc = err == 0 ? 0 : -1;
+        errno = err ? err : ETIMEDOUT;
+      } else {
+        rc = -1;
+        errno = ETIMEDOUT;
+      }
+    }
+    if (rc == 0) {
+      set_nonblocking(fd, false);
+      return fd;
+    }
+    last = strerror(errno);
+    close(fd);
+    if (now_s() >= deadline)
+      throw TcpError(ErrKind::kTimeout, "connect to " + addr + " timed out after " +
+                                            std::to_string(timeout_s) + " s (last error: " + last + ")");
+    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    backoff = std::min(backoff * 2, 0.2);
+  }
+}
+
+static void wait_fd(int fd, short events, double deadline, const std::atomic<bool>* abort_flag,
+                    const std::string& what) {
+  while (true) {
+    if (abort_flag && abort_flag->load()) throw TcpError(ErrKind::kAborted, what + ": aborted");
+    double left = deadline - now_s();
+    if (left <= 0) throw TcpError(ErrKind::kTimeout, what + ": timed out");
+    pollfd p{fd, events, 0};
+    int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
+    if (rc > 0) return;
+    if (rc < 0 && errno != EINTR) throw TcpError(ErrKind::kConnection, what + ": poll: " + strerror(errno));
+  }
+}
+
+void send_all(int fd, const void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
+              const std::string& what) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      wait_fd(fd, POLLOUT, deadline, abort_flag, what);
+      continue;
+    }
+    throw TcpError(ErrKind::kConnection, what + ": send failed: " + strerror(errno));
+  }
+}
+
+void recv_all(int fd, void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
+              const std::string& what) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (k == 0) throw TcpError(ErrKind::kConnection, what + ": connection closed by peer");
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      wait_fd(fd, POLLIN, deadline, abort_flag, what);
+      continue;
+    }
+    throw TcpError(ErrKind::kConnection, what + ": recv failed: " + strerror(errno));
+  }
+}
+
+void fill_random(void* buf, size_t n) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    ssize_t k = getrandom(p, n, 0);
+    if (k <= 0) {
+      std::random_device rd;  // fallback; getrandom is available on every supported kernel
+      for (; n > 0; --n) *p++ = static_cast<char>(rd());
+      return;
+    }
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+}
+
+}  // namespace jaxodc::tcp

@@ -1,0 +1,43 @@
+// Small TCP helpers shared by the ring transport: listen/connect with deadlines, full reads and
+// writes that give up on a deadline or an abort flag, and "host:port" parsing. Errors are reported
+// as TcpError with a kind so callers can map them to timeout / connection / abort.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace jaxodc::tcp {
+
+enum class ErrKind { kTimeout, kConnection, kAborted, kProtocol };
+
+struct TcpError : std::runtime_error {
+  ErrKind kind;
+  TcpError(ErrKind k, const std::string& msg) : std::runtime_error(msg), kind(k) {}
+};
+
+double now_s();  // CLOCK_MONOTONIC seconds (system-wide, so comparable across local processes)
+
+// Splits "host:port"; throws std::invalid_argument naming the address.
+void split_address(const std::string& addr, std::string* host, int* port);
+
+// Listening socket bound to host:port (port 0 = any); returns fd and the bound port.
+int listen_on(const std::string& host, int port, int* bound_port);
+
+// Connects to addr, retrying refused connections until timeout_s elapses.
+int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool>* abort_flag);
+
+void set_nonblocking(int fd, bool on);
+void tune_socket(int fd);  // TCP_NODELAY and large kernel buffers
+
+// Reads/writes exactly n bytes before `deadline` (now_s() based); what names the operation in
+// errors. abort_flag (may be null) is checked at least every 50 ms.
+void send_all(int fd, const void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
+              const std::string& what);
+void recv_all(int fd, void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
+              const std::string& what);
+
+void fill_random(void* buf, size_t n);
+
+}  // namespace jaxodc::tcp
