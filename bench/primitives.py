@@ -139,8 +139,10 @@ def summarize(records: list[dict]) -> list[str]:
         lines.append(f"64 MB, 2 ranks: shm gather / memcpy = {gi / mc:.2f}x into a persistent buffer, "
                      f"{gf / mc:.2f}x with a fresh output (bar >= 0.5)")
         lines.append(f"64 MB, 2 ranks: shm scatter_accumulate / gloo psum_scatter = {s / ps:.2f}x (bar >= 1.2)")
+    seen = set()
     for r in records:
-        if r["op"] == "gather" and "slot_bytes" in r:
+        if r["op"] == "gather" and "slot_bytes" in r and r["ranks"] not in seen:
+            seen.add(r["ranks"])
             lines.append(f"{r['ranks']} ranks: receive slots hold {r['slot_bytes'] / MB:.3f} MB per rank; the "
                          f"largest unit is {r['max_unit_bytes'] / MB:.3f} MB (bound: one unit incl. padding)")
     return lines
