@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-W, B, MAX_TOKENS, STEPS, MAX_NORM, LR = 2, 4, 64, 3, 0.05, 1e-2
+W, B, MAX_TOKENS, STEPS, MAX_NORM, LR = 2, 4, 64, 3, 0.05, 1e-3
+# The summed gradients agree with the reference to fp32 rounding (~1e-7 of the largest element;
+# psum_scatter sums in another order), but adam's g / (sqrt(v) + eps) amplifies rounding by up to
+# ~lr/eps on elements whose gradient is near eps. lr=1e-3, eps=1e-6 keep that below atol=1e-6 while
+# every parameter still moves by ~lr per step.
+EPS = 1e-6
 
 
 def _setup():
@@ -20,14 +25,17 @@ def _setup():
     model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
     params = model.init(jax.random.PRNGKey(0))
     samples = synthetic_text("longalign", 64, MAX_TOKENS, seed=3, min_len=4)
-    mbs = [idx for _, idx in zip(range(STEPS), minibatches(len(samples), W * B, seed=5))]
+    mbs = [idx for _, idx in zip(range(STEPS), minibatches(len(samples), W * B, seed=6))]
     return model, params, samples, mbs
 
 
-def _plan(samples, idx):
-    from jaxodc.train.balance import lb_micro
+BALANCE = ("lb_micro", "local_sort", "lb_mini")  # per step; lb_mini's unequal counts get padded
+
+
+def _plan(samples, idx, step):
+    from jaxodc.train.balance import make_plan
     from jaxodc.train.cost import CostModel
-    return lb_micro(samples.lengths[idx].tolist(), W, MAX_TOKENS, CostModel.for_transformer(32))
+    return make_plan(BALANCE[step], samples.lengths[idx].tolist(), W, MAX_TOKENS, CostModel.for_transformer(32))
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -39,10 +47,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, plan_global_tokens
     from jaxodc.train.data import Samples
     model, params, samples, mbs = _setup()
-    tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR)), params)
+    tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
     losses, counts = [], []
-    for idx in mbs:
-        plan = _plan(samples, idx)
+    for step, idx in enumerate(mbs):
+        plan = _plan(samples, idx, step)
         sub = Samples([samples[i] for i in idx])
         counts.append(plan.counts())
         losses.append(tr.train_plan(plan, sub.tokens).loss)
@@ -90,10 +98,10 @@ def test_collective_matches_reference(tmp_path):
 
     _spawn(tmp_path)
     model, params, samples, mbs = _setup()
-    ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR)), params)
+    ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
     ref_losses, norms = [], []
-    for idx in mbs:
-        plan = _plan(samples, idx)
+    for step, idx in enumerate(mbs):
+        plan = _plan(samples, idx, step)
         sub = Samples([samples[i] for i in idx])
         mb_all = [m for r in range(W) for m in microbatches_for(plan, r, sub.tokens)]
         loss, g = ref.grads(mb_all, plan_global_tokens(plan))
@@ -104,6 +112,7 @@ def test_collective_matches_reference(tmp_path):
     info = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(W)]
     assert info[0]["fp"] == info[1]["fp"] == make_layout(params, W).fingerprint()
     assert any(len(set(c)) == 1 and max(c) > 1 for c in info[0]["counts"])
+    assert any(len(set(c)) > 1 for c in info[0]["counts"]), info[0]["counts"]  # padding exercised
     for r in range(W):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
@@ -118,7 +127,7 @@ def test_collective_matches_reference(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     moved = sum(float(np.abs(np.asarray(b) - np.asarray(c)).max()) for b, c in
                 zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(init)))
-    assert moved > 1e-3, "reference parameters did not move"
+    assert moved > 1e-2, "reference parameters did not move"
     # padding elements of every shard stay exactly zero
     for u in layout.units:
         full = np.concatenate([s[u.name] for s in shards])

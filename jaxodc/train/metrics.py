@@ -1,0 +1,122 @@
+"""Per-rank, per-minibatch records and the measured bubble rate.
+
+Times are seconds from `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for all
+processes of a host, so ranks' records can be compared directly). A rank's busy time in a
+minibatch is the sum of its microbatch compute intervals; for the collective baseline those
+intervals include waiting inside the collectives, so callers may set `busy_s` to an estimate of
+pure compute (e.g. a calibrated cost model) -- `busy` uses it when present.
+
+bubble rate = sum over minibatches and ranks of (minibatch span - rank busy) / (W x span), where
+the span runs from the first rank's start to the last rank's end of that minibatch."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+
+@dataclass
+class MinibatchRecord:
+    rank: int
+    step: int
+    t_start: float
+    t_end: float
+    compute: list[tuple[float, float]] = field(default_factory=list)  # microbatch intervals
+    opt: tuple[float, float] | None = None                          # optimizer interval
+    samples: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+    comm: str = ""
+    balance: str = ""
+    busy_s: float | None = None
+
+    @property
+    def busy(self) -> float:
+        return self.busy_s if self.busy_s is not None else sum(b - a for a, b in self.compute)
+
+    @classmethod
+    def from_result(cls, res, rank: int, samples: int = 0, tokens: int = 0, comm: str = "", balance: str = ""):
+        """From a trainer's StepResult (jaxodc.train.collective)."""
+        return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
+                   samples, tokens, res.loss, comm, balance)
+
+
+def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchRecord]]:
+    out: dict[int, list[MinibatchRecord]] = {}
+    for r in records:
+        out.setdefault(r.step, []).append(r)
+    return out
+
+
+def bubble_rate(records: Sequence[MinibatchRecord]) -> float:
+    idle = total = 0.0
+    for recs in _by_step(records).values():
+        span = max(r.t_end for r in recs) - min(r.t_start for r in recs)
+        idle += sum(max(span - r.busy, 0.0) for r in recs)
+        total += span * len(recs)
+    return idle / total if total > 0 else 0.0
+
+
+def summarize(records: Sequence[MinibatchRecord]) -> dict:
+    """Throughput and bubble over all records. samples/tokens are summed over ranks (each rank
+    records what it processed)."""
+    if not records:
+        raise ValueError("no records to summarize")
+    steps = _by_step(records)
+    wall = max(r.t_end for r in records) - min(r.t_start for r in records)
+    ranks = sorted({r.rank for r in records})
+    last = steps[max(steps)]
+    return {
+        "steps": len(steps), "ranks": len(ranks), "wall_s": wall,
+        "samples_per_s": sum(r.samples for r in records) / wall if wall > 0 else 0.0,
+        "tokens_per_s": sum(r.tokens for r in records) / wall if wall > 0 else 0.0,
+        "bubble_rate": bubble_rate(records),
+        "compute_s": {rk: sum(r.busy for r in records if r.rank == rk) for rk in ranks},
+        "idle_s": {rk: sum(max(max(x.t_end for x in steps[r.step]) - min(x.t_start for x in steps[r.step]) - r.busy, 0.0)
+                           for r in records if r.rank == rk) for rk in ranks},
+        "loss": last[0].loss,
+    }
+
+
+def save_records(path: str, records: Iterable[MinibatchRecord]) -> None:
+    with open(path, "w") as fh:
+        for r in records:
+            fh.write(json.dumps(asdict(r)) + "\n")
+
+
+def load_records(path: str) -> list[MinibatchRecord]:
+    out = []
+    with open(path) as fh:
+        for ln, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                    d["compute"] = [tuple(x) for x in d["compute"]]
+                    d["opt"] = tuple(d["opt"]) if d.get("opt") else None
+                    out.append(MinibatchRecord(**d))
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path}:{ln}: not a minibatch record ({e})") from None
+    return out
+
+
+class Progress:
+    """Minimal progress bar on a stream: `[#####.....] 5/10 loss 2.31 12.0 samples/s`."""
+
+    def __init__(self, total: int, desc: str = "", width: int = 30, stream=None, enabled: bool = True):
+        self.total, self.desc, self.width, self.n = total, desc, width, 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def update(self, n: int = 1, **info) -> None:
+        self.n += n
+        if not self.enabled:
+            return
+        fill = int(self.width * self.n / max(self.total, 1))
+        extra = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+        self.stream.write(f"\r{self.desc} [{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.total} {extra}")
+        if self.n >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
