@@ -61,8 +61,16 @@ def _worker(rank: int, port: int, out: str) -> None:
         tr.train_minibatch([microbatches_for(plan, rank, sub.tokens)[0]] * (1 + rank), 10.0)
     except ValueError as e:
         err = str(e)
+    # A model configured differently on one rank is caught before any training collective.
+    from models.lm import LM, LMConfig
+    other = LM(LMConfig(d_model=32, n_layers=2 + rank, n_heads=2))
+    fp_err = ""
+    try:
+        CollectiveTrainer(other, optax.sgd(0.1), other.init(jax.random.PRNGKey(0)))
+    except ValueError as e:
+        fp_err = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"losses": losses, "counts": counts, "err": err, "fp": tr.layout.fingerprint()}, fh)
+        json.dump({"losses": losses, "counts": counts, "err": err, "fp_err": fp_err, "fp": tr.layout.fingerprint()}, fh)
     jax.distributed.shutdown()
 
 
@@ -116,6 +124,7 @@ def test_collective_matches_reference(tmp_path):
     for r in range(W):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
+        assert "ranks disagree on layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
 
     layout = make_layout(params, W, order=model.unit_names)
     shards = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(W)]

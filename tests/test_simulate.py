@@ -61,7 +61,7 @@ def test_stealing_absorbs_cost_model_error():
 
 
 def _recs():
-    # step 0: rank 0 busy 3 of 4 s, rank 1 busy 1 of 4 s; step 1: both busy the whole 2 s
+    # step 0: rank 0 busy 3 + 0.5 (optimizer) of 4 s, rank 1 busy 1 + 0.5 of 4 s; step 1: both busy 2 of 2 s
     return [MinibatchRecord(0, 0, 0.0, 4.0, [(0.0, 1.0), (1.0, 3.0)], (3.5, 4.0), samples=3, tokens=30, loss=2.0),
             MinibatchRecord(1, 0, 0.0, 4.0, [(0.0, 1.0)], (3.5, 4.0), samples=1, tokens=10, loss=2.0),
             MinibatchRecord(0, 1, 4.0, 6.0, [(4.0, 6.0)], None, samples=2, tokens=20, loss=1.5),
@@ -70,12 +70,12 @@ def _recs():
 
 def test_metrics_by_hand(tmp_path):
     recs = _recs()
-    assert bubble_rate(recs) == pytest.approx((1 + 3) / (8 + 4))
+    assert bubble_rate(recs) == pytest.approx((0.5 + 2.5) / (8 + 4))
     s = summarize(recs)
     assert s["samples_per_s"] == pytest.approx(8 / 6) and s["tokens_per_s"] == pytest.approx(80 / 6)
-    assert s["compute_s"] == {0: 5.0, 1: 3.0} and s["idle_s"] == {0: 1.0, 1: 3.0} and s["loss"] == 1.5
+    assert s["compute_s"] == {0: 5.5, 1: 3.5} and s["idle_s"] == {0: 0.5, 1: 2.5} and s["loss"] == 1.5
     recs[1].busy_s = 4.0  # estimated compute overrides the intervals
-    assert bubble_rate(recs) == pytest.approx(1 / 12)
+    assert bubble_rate(recs) == pytest.approx(0.5 / 12)
     p = tmp_path / "r.jsonl"
     save_records(str(p), recs)
     assert load_records(str(p)) == recs

@@ -15,7 +15,8 @@ component draws f = shift + median * exp(sigma * N(0, 1)):
 All draws are clipped to [min_len, max_len]. The parameters were fitted (grid search) so that the
 simulator's collective LB-Micro / ODC LB-Mini bubble rates at 8 devices under the default cost
 model land near the paper's Tables 4 and 6 (longalign: 66/51/36/20 % and 66/46/17/0.4 % at
-minibatch 1/2/4/8 vs the paper's 67/53/35/22 and 67/49/15/0.02); they are stand-ins for the real datasets, not fits to them."""
+minibatch 1/2/4/8 vs the paper's 67/53/35/22 and 67/49/15/0.02). They are stand-ins for the real
+datasets, not fits to them."""
 from __future__ import annotations
 
 import json
