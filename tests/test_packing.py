@@ -39,8 +39,8 @@ def test_presets_deterministic_long_tailed_and_bounded():
     la = sample_lengths("longalign", 20000, 65536, 0)
     aime = sample_lengths("aime", 20000, 65536, 0)
     # long tail: mean well above median, and heavier than the RL preset's
-    assert la.mean() > 1.3 * np.median(la)
-    assert np.percentile(la, 99) / np.median(la) > 2 * np.percentile(aime, 99) / np.median(aime)
+    assert la.mean() > 1.2 * np.median(la)
+    assert np.percentile(la, 99) / np.median(la) > 1.5 * np.percentile(aime, 99) / np.median(aime)
     with pytest.raises(ValueError, match="unknown length preset"):
         sample_lengths("nope", 3, 10)
 

@@ -2,7 +2,7 @@
 
 Times are seconds from `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for all
 processes of a host, so ranks' records can be compared directly). A rank's busy time in a
-minibatch is the sum of its microbatch compute intervals; for the collective baseline those
+minibatch is the sum of its microbatch compute intervals plus its optimizer step; for the collective baseline those
 intervals include waiting inside the collectives, so callers may set `busy_s` to an estimate of
 pure compute (e.g. a calibrated cost model) -- `busy` uses it when present.
 
@@ -34,7 +34,10 @@ class MinibatchRecord:
 
     @property
     def busy(self) -> float:
-        return self.busy_s if self.busy_s is not None else sum(b - a for a, b in self.compute)
+        """Compute + optimizer seconds (or `busy_s`): everything but waiting."""
+        if self.busy_s is not None:
+            return self.busy_s
+        return sum(b - a for a, b in self.compute) + (self.opt[1] - self.opt[0] if self.opt else 0.0)
 
     @classmethod
     def from_result(cls, res, rank: int, samples: int = 0, tokens: int = 0, comm: str = "", balance: str = ""):

@@ -47,7 +47,7 @@ def draw(runs: Mapping[str, Sequence[MinibatchRecord]], path: str, title: str | 
         ax.set_title(f"{name}: bubble {100 * bubble_rate(recs):.1f}%, {len(steps)} minibatches, "
                      f"{max(r.t_end for r in recs) - t0:.2f} s", fontsize=10)
     axes[-1, 0].set_xlabel("seconds")
-    fig.legend(handles=[Patch(color=_COLORS[0], label="compute (microbatches)"), Patch(color="#ff7f0e", label="optimizer"),
+    fig.legend(handles=[Patch(color=_COLORS[0], label="compute (microbatches; colour alternates per minibatch)"), Patch(color="#ff7f0e", label="optimizer"),
                         Patch(color="#f4cccc", label="idle")], loc="upper right", fontsize=8, ncol=3)
     if title:
         fig.suptitle(title, x=0.02, ha="left", fontsize=11)
