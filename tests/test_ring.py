@@ -460,3 +460,23 @@ def test_multiprocess_sigkill_then_smaller_ring():
             p.wait(timeout=10)
             p.stdin.close()
             p.stdout.close()
+
+
+def test_tags_route_ops_issued_in_different_orders():
+    # with a connection per op, peers may issue concurrent ops in any order: the start header's
+    # tag routes each incoming connection to the right op
+    eps = make_ring(3, pool_size=3)
+    try:
+        xs = {t: make_inputs(3, 3000 + 7 * t, np.dtype(np.float32), "sum", seed=20 + t) for t in range(3)}
+        orders = [[0, 1, 2], [2, 1, 0], [1, 2, 0]]
+
+        def peer(i):
+            hs = {t: eps[i].all_reduce_async(xs[t][i], tag=t) for t in orders[i]}
+            return {t: h.wait(timeout_s=30) for t, h in hs.items()}
+
+        res = parallel([lambda i=i: peer(i) for i in range(3)])
+        for t in range(3):
+            check_exact([res[i][t] for i in range(3)], xs[t], "sum")
+        assert all(e.stats()["ops_ok"] == 3 for e in eps)
+    finally:
+        close_all(eps)
