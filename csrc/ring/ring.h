@@ -67,7 +67,8 @@ class Endpoint {
   void set_link(const std::string& peer, double bandwidth_bytes_per_s, double latency_s);
   double measure_bandwidth(const std::string& peer, size_t nbytes);
   void close();
-  void set_piece_bytes(size_t n) { piece_bytes_ = n < 256 ? 256 : n; }
+  // Pipelining granularity; every peer of a ring must use the same value (checked per op).
+  void set_piece_bytes(size_t n) { piece_bytes_ = n < 256 ? 256 : (n > (size_t(1) << 30) ? size_t(1) << 30 : n); }
   int world() const;
   int64_t handle() const { return handle_; }
 
