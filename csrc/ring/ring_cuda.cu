@@ -1,7 +1,7 @@
 // CUDA FFI handler of the ring all-reduce. The ring engine (ring.cc) moves the bytes over TCP
 // through pinned host buffers; every reduction, quantisation and dequantisation of a piece runs as
-// a kernel on the call's stream (GpuOps below), so the arithmetic is the same code as the host path
-// (reduce.h) and the dequantised bytes are bit-identical to a CPU peer's.
+// a kernel on the call's stream (StagedOps in staged_ops.h with the CudaDev below). The kernels use
+// the host path's arithmetic (reduce.h), so dequantised values are bit-identical to a CPU peer's.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ring/engine.h"
+#include "ring/staged_ops.h"
 #include "ring/ffi_ring.h"
 
 namespace ffi = xla::ffi;
@@ -54,21 +55,8 @@ struct DeviceBuf {
   }
 };
 
-// Per XLA thread; each call synchronises its stream before returning, so they are free again
-// when the thread runs the next call.
-struct Scratch {
-  Pinned send_h, recv_h, agq_h, meta_h;
-  DeviceBuf recv_d, q_d, meta_d;
-};
-thread_local Scratch t_scratch;
-
 constexpr int kThreads = 256;
 unsigned grid_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 65535)); }
-
-struct DevMeta {  // device-side quantisation parameters of one piece
-  QMeta m;
-  float inv;
-};
 
 template <DType D>
 __global__ void k_reduce(const typename Traits<D>::T* in, const typename Traits<D>::T* x, typename Traits<D>::T* out,
@@ -139,136 +127,50 @@ __global__ void k_dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Tr
 
 __global__ void k_token(const int32_t* in, int32_t* out) { out[0] = in[0] + 1; }
 
-template <DType D, typename Q>
-class GpuOps final : public PieceOps {
-  using T = typename Traits<D>::T;
+// The CUDA device of StagedOps: scratch per XLA thread (each call synchronises its stream before
+// returning, so it is free again when the thread runs the next call), copies and kernels on the
+// call's stream.
+struct CudaScratch {
+  Pinned h[4];
+  DeviceBuf d[3];
+};
+thread_local CudaScratch t_scratch;
 
- public:
-  GpuOps(const OpLayout& L, cudaStream_t s, const char* x_d, char* out_d)
-      : L_(L), s_(s), x_d_(x_d), out_d_(out_d), sc_(t_scratch) {
-    size_t piece = L.piece_elems * L.elem_size;
-    send_h_ = sc_.send_h.get(piece);
-    recv_h_ = sc_.recv_h.get(piece);
-    recv_d_ = sc_.recv_d.get(piece);
-    meta_h_ = reinterpret_cast<DevMeta*>(sc_.meta_h.get(sizeof(DevMeta)));
-    meta_d_ = reinterpret_cast<DevMeta*>(sc_.meta_d.get(sizeof(DevMeta)));
-    if (quantized()) {
-      q_d_ = reinterpret_cast<Q*>(sc_.q_d.get(L.piece_elems * sizeof(Q)));
-      agq_h_ = sc_.agq_h.get(std::max<size_t>(1, L.count * sizeof(Q)));
-      agmeta_.resize(L.num_qpieces);
-    }
+struct CudaDev {
+  cudaStream_t s;
+  char* host(int slot, size_t n) { return t_scratch.h[slot].get(n); }
+  char* dev(int slot, size_t n) { return t_scratch.d[slot].get(n); }
+  void d2h(void* dst, const void* src, size_t n) {
+    check(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, s), "copy to host");
   }
-
-  const char* send_payload(const Piece& p, QMeta* meta, size_t* nbytes) override {
-    size_t es = L_.elem_size;
-    if (L_.reduce_scatter(p)) {
-      const T* src = reinterpret_cast<const T*>((p.step == 0 ? x_d_ : out_d_) + p.off * es);
-      if (!quantized()) {
-        check(cudaMemcpyAsync(send_h_, src, p.n * es, cudaMemcpyDeviceToHost, s_), "copy piece to host");
-        sync();
-        *nbytes = p.n * es;
-        return send_h_;
-      }
-      quantize(src, p.n);
-      check(cudaMemcpyAsync(send_h_, q_d_, p.n * sizeof(Q), cudaMemcpyDeviceToHost, s_), "copy quantised piece");
-      check(cudaMemcpyAsync(meta_h_, meta_d_, sizeof(DevMeta), cudaMemcpyDeviceToHost, s_), "copy metadata");
-      sync();
-      *meta = meta_h_->m;
-      *nbytes = p.n * sizeof(Q);
-      return send_h_;
-    }
-    if (!quantized()) {
-      check(cudaMemcpyAsync(send_h_, out_d_ + p.off * es, p.n * es, cudaMemcpyDeviceToHost, s_), "copy piece to host");
-      sync();
-      *nbytes = p.n * es;
-      return send_h_;
-    }
-    *meta = agmeta_[p.qidx];
-    *nbytes = p.n * sizeof(Q);
-    return agq_h_ + p.off * sizeof(Q);
+  void h2d(void* dst, const void* src, size_t n) {
+    check(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, s), "copy to device");
   }
-
-  char* recv_target(const Piece& p) override {
-    if (!L_.reduce_scatter(p) && quantized()) return agq_h_ + p.off * sizeof(Q);
-    return recv_h_;
+  void sync() { check(cudaStreamSynchronize(s), "stream synchronise"); }
+  template <DType D>
+  void reduce(const typename Traits<D>::T* in, const typename Traits<D>::T* x, typename Traits<D>::T* out, size_t n,
+              Op op, bool last, int world) {
+    k_reduce<D><<<grid_for(n), kThreads, 0, s>>>(in, x, out, n, op, last, world);
+    check(cudaGetLastError(), "reduce kernel");
   }
-
-  void on_recv(const Piece& p, QMeta m) override {
-    size_t es = L_.elem_size;
-    T* os = reinterpret_cast<T*>(out_d_ + p.off * es);
-    if (L_.reduce_scatter(p)) {
-      bool last = L_.last_reduce(p);
-      const T* xs = reinterpret_cast<const T*>(x_d_ + p.off * es);
-      size_t wire = p.n * (quantized() ? sizeof(Q) : es);
-      check(cudaMemcpyAsync(recv_d_, recv_h_, wire, cudaMemcpyHostToDevice, s_), "copy piece to device");
-      if (!quantized())
-        k_reduce<D><<<grid_for(p.n), kThreads, 0, s_>>>(reinterpret_cast<const T*>(recv_d_), xs, os, p.n, L_.op, last, L_.world);
-      else
-        k_reduce_q<D, Q><<<grid_for(p.n), kThreads, 0, s_>>>(reinterpret_cast<const Q*>(recv_d_), m, xs, os, p.n, L_.op,
-                                                              last, L_.world);
-      check(cudaGetLastError(), "reduce kernel");
-      if (last && quantized()) {  // the owner's single quantisation; it keeps the same bytes
-        quantize(os, p.n);
-        k_dequant<D, Q><<<grid_for(p.n), kThreads, 0, s_>>>(q_d_, meta_d_, QMeta{0, 0}, os, p.n);
-        check(cudaGetLastError(), "dequantise kernel");
-        check(cudaMemcpyAsync(agq_h_ + p.off * sizeof(Q), q_d_, p.n * sizeof(Q), cudaMemcpyDeviceToHost, s_), "copy owner bytes");
-        check(cudaMemcpyAsync(meta_h_, meta_d_, sizeof(DevMeta), cudaMemcpyDeviceToHost, s_), "copy metadata");
-        sync();
-        agmeta_[p.qidx] = meta_h_->m;
-        return;
-      }
-      sync();
-      return;
-    }
-    if (!quantized()) {
-      check(cudaMemcpyAsync(os, recv_h_, p.n * es, cudaMemcpyHostToDevice, s_), "copy piece to device");
-    } else {
-      agmeta_[p.qidx] = m;
-      check(cudaMemcpyAsync(recv_d_, agq_h_ + p.off * sizeof(Q), p.n * sizeof(Q), cudaMemcpyHostToDevice, s_),
-            "copy quantised piece to device");
-      k_dequant<D, Q><<<grid_for(p.n), kThreads, 0, s_>>>(reinterpret_cast<const Q*>(recv_d_), nullptr, m, os, p.n);
-      check(cudaGetLastError(), "dequantise kernel");
-    }
-    sync();
+  template <DType D, typename Q>
+  void reduce_q(const Q* in, QMeta m, const typename Traits<D>::T* x, typename Traits<D>::T* out, size_t n, Op op,
+                bool last, int world) {
+    k_reduce_q<D, Q><<<grid_for(n), kThreads, 0, s>>>(in, m, x, out, n, op, last, world);
+    check(cudaGetLastError(), "reduce kernel");
   }
-
- private:
-  bool quantized() const { return L_.quant != Quant::kNone; }
-  float levels() const { return sizeof(Q) == 1 ? 255.0f : 65535.0f; }
-  void sync() { check(cudaStreamSynchronize(s_), "stream synchronise"); }
-  void quantize(const T* src, size_t n) {
-    k_minmax<D><<<1, 1024, 0, s_>>>(src, n, levels(), meta_d_);
-    k_quant<D, Q><<<grid_for(n), kThreads, 0, s_>>>(src, q_d_, n, meta_d_, levels());
+  template <DType D, typename Q>
+  void quantize(const typename Traits<D>::T* src, Q* q, size_t n, float levels, DevMeta* meta) {
+    k_minmax<D><<<1, 1024, 0, s>>>(src, n, levels, meta);
+    k_quant<D, Q><<<grid_for(n), kThreads, 0, s>>>(src, q, n, meta, levels);
     check(cudaGetLastError(), "quantise kernels");
   }
-
-  OpLayout L_;
-  cudaStream_t s_;
-  const char* x_d_;
-  char* out_d_;
-  Scratch& sc_;
-  char *send_h_ = nullptr, *recv_h_ = nullptr, *recv_d_ = nullptr, *agq_h_ = nullptr;
-  Q* q_d_ = nullptr;
-  DevMeta *meta_h_ = nullptr, *meta_d_ = nullptr;
-  std::vector<QMeta> agmeta_;
-};
-
-template <DType D>
-std::unique_ptr<PieceOps> make_for(const OpLayout& L, cudaStream_t s, const char* x, char* y) {
-  if (L.quant == Quant::kU16) return std::make_unique<GpuOps<D, uint16_t>>(L, s, x, y);
-  return std::make_unique<GpuOps<D, uint8_t>>(L, s, x, y);  // uint8 type unused when not quantised
-}
-
-std::unique_ptr<PieceOps> make_gpu_ops(const OpLayout& L, cudaStream_t s, const char* x, char* y) {
-  switch (L.dtype) {
-    case DType::kF32: return make_for<DType::kF32>(L, s, x, y);
-    case DType::kF64: return make_for<DType::kF64>(L, s, x, y);
-    case DType::kF16: return make_for<DType::kF16>(L, s, x, y);
-    case DType::kBF16: return make_for<DType::kBF16>(L, s, x, y);
-    case DType::kI32: return make_for<DType::kI32>(L, s, x, y);
-    default: return make_for<DType::kI64>(L, s, x, y);
+  template <DType D, typename Q>
+  void dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Traits<D>::T* out, size_t n) {
+    k_dequant<D, Q><<<grid_for(n), kThreads, 0, s>>>(q, meta, mv, out, n);
+    check(cudaGetLastError(), "dequantise kernel");
   }
-}
+};
 
 }  // namespace
 
@@ -286,12 +188,13 @@ static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
   const char* xd = static_cast<const char*>(x.untyped_data());
   char* yd = static_cast<char*>(y->untyped_data());
   OpResult r;
+  CudaDev dev{stream};
   try {
     // the input must be complete before the engine's first device-to-host copy
     check(cudaStreamSynchronize(stream), "stream synchronise");
     r = ep->run_op(
         x.element_count(), dt, static_cast<Op>(op), static_cast<Quant>(quant), static_cast<uint32_t>(tag),
-        [&](const OpLayout& L) { return make_gpu_ops(L, stream, xd, yd); },
+        [&](const OpLayout& L) { return make_staged_ops(L, dev, xd, yd); },
         [&] { check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "copy"); });
     if (r.status != Status::kOk)  // failed: the output is the untouched input, never a partial result
       check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "restore");
