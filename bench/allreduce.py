@@ -3,7 +3,8 @@
 `jaxodc bench allreduce --json PATH [--sizes 1,16,64] [--ranks 2,4] [--reps 3]` spawns W processes
 on 127.0.0.1 for each world size; every process runs both implementations. Records:
 {"impl", "ranks", "bytes", "seconds", "gbps", "quantize", "concurrency", "link_cap_gbit"} where
-bytes is one peer's f32 contribution, seconds the median over reps of the slowest rank, and
+bytes is one peer's f32 contribution, seconds the per-op time of the slowest rank (best of two
+batches of `reps` back-to-back ops after a barrier), and
 gbps = 8 * bytes / seconds / 1e9 (implementation-agnostic reduce throughput, as in the PCCL paper).
 Under the emulated link cap, the quantised rows report the same f32 bytes, so gbps is the effective
 throughput. One compute thread per rank so that ranks sharing few cores do not fight.
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -60,13 +60,17 @@ def _worker(rank: int, world: int, coord_port: int) -> int:
         ep.all_reduce(barrier_buf, tag=999)
 
     def timed(fn, reps):
+        # warm up (page faults, compilation), then `reps` back-to-back ops after one barrier,
+        # twice; per-op time = batch time / reps, so barrier skew between ranks is amortised
+        fn()
         times = []
-        for _ in range(reps + 1):  # first run warms up (page faults, compilation)
+        for _ in range(2):
             barrier()
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return times[1:]
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) / reps)
+        return times
 
     def emit(impl, nbytes, times, quantize=None, concurrency=1, cap=None):
         _say({"impl": impl, "bytes": nbytes, "times": times, "quantize": quantize,
@@ -157,7 +161,7 @@ def run_world(world: int, plan: dict, timeout_s: float) -> list[dict]:
         rows = []
         for recs in zip(*per_rank):
             slowest = [max(ts) for ts in zip(*(rec["times"] for rec in recs))]
-            sec = statistics.median(slowest)
+            sec = min(slowest)
             r0 = recs[0]
             rows.append({"impl": r0["impl"], "ranks": world, "bytes": r0["bytes"], "seconds": sec,
                          "gbps": 8 * r0["bytes"] / sec / 1e9, "quantize": r0["quantize"],

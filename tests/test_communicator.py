@@ -254,3 +254,22 @@ def test_embedded_master():
     finally:
         c1.close()
         c0.close()
+
+
+def test_peer_groups_reduce_and_sync_independently(svc):
+    """Two groups on one service: collectives and shared state stay inside each group."""
+    g0 = make_group(svc.address, 2, group=0)
+    g1 = make_group(svc.address, 2, group=1)
+    try:
+        comms = g0 + g1
+        vals = [1.0, 2.0, 10.0, 20.0]
+        outs = run_threads([lambda c=c, v=v: c.all_reduce(np.full(100, v, np.float32)) for c, v in zip(comms, vals)])
+        assert [float(o[0]) for o in outs] == [3.0, 3.0, 30.0, 30.0]
+        states = [{"w": np.full(4, float(k // 2), np.float32)} for k in range(4)]
+        infos = run_threads([lambda c=c, s=s: c.sync_shared_state(s, 1) for c, s in zip(comms, states)])
+        assert all(i.bytes_received == 0 for i in infos)          # each group agrees internally
+        assert infos[0].hash == infos[1].hash != infos[2].hash == infos[3].hash
+        snap = svc.snapshot()["groups"]
+        assert snap[0]["revision"] == snap[1]["revision"] == 1 and snap[0]["ring"] != snap[1]["ring"]
+    finally:
+        close_all(g0 + g1)

@@ -460,3 +460,57 @@ def test_multiprocess_sigkill_then_smaller_ring():
             p.wait(timeout=10)
             p.stdin.close()
             p.stdout.close()
+
+
+def test_tags_route_ops_issued_in_different_orders():
+    # with a connection per op, peers may issue concurrent ops in any order: the start header's
+    # tag routes each incoming connection to the right op
+    eps = make_ring(3, pool_size=3)
+    try:
+        xs = {t: make_inputs(3, 3000 + 7 * t, np.dtype(np.float32), "sum", seed=20 + t) for t in range(3)}
+        orders = [[0, 1, 2], [2, 1, 0], [1, 2, 0]]
+
+        def peer(i):
+            hs = {t: eps[i].all_reduce_async(xs[t][i], tag=t) for t in orders[i]}
+            return {t: h.wait(timeout_s=30) for t, h in hs.items()}
+
+        res = parallel([lambda i=i: peer(i) for i in range(3)])
+        for t in range(3):
+            check_exact([res[i][t] for i in range(3)], xs[t], "sum")
+        assert all(e.stats()["ops_ok"] == 3 for e in eps)
+    finally:
+        close_all(eps)
+
+
+def _staged_all_reduce(ep, x, op="sum", quantize=None, tag=0):
+    """The CUDA handler's device-staged piece logic, with host memory standing in for the GPU."""
+    from jaxodc.comm.ring import _bytes, _codes, _raise
+    out = np.empty_like(x)
+    dt, opc, qc = _codes(x, op, quantize)
+    status, message = ep._ep.all_reduce_staged(_bytes(x), _bytes(out), x.size, dt, opc, qc, tag)
+    if status:
+        _raise(status, message)
+    return out
+
+
+@pytest.mark.parametrize("dt,op,quant", [(np.dtype(np.float32), "sum", None), (BF16, "avg", None),
+                                         (np.dtype(np.int64), "prod", None), (np.dtype(np.float16), "max", None),
+                                         (np.dtype(np.float32), "avg", "uint8"), (BF16, "sum", "uint16")])
+def test_device_staged_path_matches_host_path(rings, dt, op, quant):
+    W = 3
+    eps = rings(W)
+    for e in eps:
+        e.set_piece_bytes(4096)
+    try:
+        xs = make_inputs(W, 20_003, dt, op, seed=77)
+        host = run_all(eps, xs, op=op, quantize=quant, tag=11)
+        # peer 1 stages through "device" buffers, the others work in place on the host
+        mixed = parallel([lambda i=i: _staged_all_reduce(eps[i], xs[i], op, quant, tag=12) if i == 1
+                          else eps[i].all_reduce(xs[i], op=op, quantize=quant, tag=12) for i in range(W)])
+        for r in mixed + host:
+            np.testing.assert_array_equal(bits(r), bits(host[0]))
+        if quant is None:
+            check_exact(host, xs, op)
+    finally:
+        for e in eps:
+            e.set_piece_bytes(1 << 20)

@@ -88,6 +88,19 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
              }
              return std::make_pair(static_cast<int>(r.status), r.message);
            })
+      .def("all_reduce_staged",
+           [](Endpoint& ep, ByteIn x, ByteOut out, size_t count, int dtype, int op, int quant, uint32_t tag) {
+             check_sizes(x, out, count, dtype);
+             if (x.size() && x.data() < out.data() + out.size() && out.data() < x.data() + x.size())
+               throw nb::value_error("all_reduce_staged: out must not alias x");
+             ring::OpResult r;
+             {
+               nb::gil_scoped_release nogil;
+               r = ep.all_reduce_staged(x.data(), out.data(), count, static_cast<ring::DType>(dtype),
+                                        static_cast<ring::Op>(op), static_cast<ring::Quant>(quant), tag);
+             }
+             return std::make_pair(static_cast<int>(r.status), r.message);
+           })
       .def("abort", &Endpoint::abort, nb::call_guard<nb::gil_scoped_release>())
       .def("set_link", &Endpoint::set_link)
       .def("measure_bandwidth", &Endpoint::measure_bandwidth, nb::call_guard<nb::gil_scoped_release>())

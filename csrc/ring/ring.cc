@@ -6,16 +6,14 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
 #include "hash/sha256.h"
+#include "ring/host_kernels.h"
+#include "ring/staged_ops.h"
 #include "transport/tcp_socket.h"
 
 namespace jaxodc::ring {
@@ -537,83 +535,6 @@ void Endpoint::abort() {
 // ---------------------------------------------------------------------------------------------
 // One all-reduce
 
-// Range of a float piece; SSE min/max because compilers do not vectorise a float min reduction
-// without fast-math (the order does not matter: only the sender computes it and ships the result).
-static void minmax_f32(const float* v, size_t n, float* lo_out, float* hi_out) {
-  float lo = v[0], hi = v[0];
-  size_t i = 1;
-#if defined(__SSE2__)
-  if (n >= 8) {
-    __m128 l = _mm_loadu_ps(v), h = l;
-    for (i = 4; i + 4 <= n; i += 4) {
-      __m128 x = _mm_loadu_ps(v + i);
-      l = _mm_min_ps(l, x);
-      h = _mm_max_ps(h, x);
-    }
-    float ls[4], hs[4];
-    _mm_storeu_ps(ls, l);
-    _mm_storeu_ps(hs, h);
-    lo = ls[0];
-    hi = hs[0];
-    for (int k = 1; k < 4; ++k) {
-      lo = ls[k] < lo ? ls[k] : lo;
-      hi = hs[k] > hi ? hs[k] : hi;
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    lo = v[i] < lo ? v[i] : lo;
-    hi = v[i] > hi ? v[i] : hi;
-  }
-  *lo_out = lo;
-  *hi_out = hi;
-}
-
-template <DType D>
-struct Kernels {
-  using Tr = Traits<D>;
-  using T = typename Tr::T;
-  using A = typename Tr::A;
-
-  // out[i] = combine(in[i], x[i]) (and finalize when last)
-  static void reduce(const T* in, const T* x, T* out, size_t n, Op op, bool last, int world) {
-    for (size_t i = 0; i < n; ++i) {
-      A r = combine<A>(op, Tr::load(in[i]), Tr::load(x[i]));
-      out[i] = Tr::store(last ? finalize<A>(op, r, world) : r);
-    }
-  }
-  template <typename Q>
-  static void reduce_q(const Q* in, QMeta m, const T* x, T* out, size_t n, Op op, bool last, int world) {
-    for (size_t i = 0; i < n; ++i) {
-      A r = combine<A>(op, static_cast<A>(dequant_value(in[i], m)), Tr::load(x[i]));
-      out[i] = Tr::store(last ? finalize<A>(op, r, world) : r);
-    }
-  }
-  template <typename Q>
-  static QMeta quantize(const T* v, Q* q, size_t n, float levels) {
-    float lo = 0, hi = 0;
-    if constexpr (D == DType::kF32) {
-      if (n) minmax_f32(v, n, &lo, &hi);
-    } else {
-      if (n) lo = hi = static_cast<float>(Tr::load(v[0]));
-      for (size_t i = 1; i < n; ++i) {
-        float f = static_cast<float>(Tr::load(v[i]));
-        lo = f < lo ? f : lo;
-        hi = f > hi ? f : hi;
-      }
-    }
-    QMeta m{lo, (hi - lo) / levels};
-    float inv = hi > lo ? levels / (hi - lo) : 0.0f;
-    for (size_t i = 0; i < n; ++i)
-      q[i] = static_cast<Q>(quant_value(static_cast<float>(Tr::load(v[i])), m, inv, levels));
-    return m;
-  }
-  template <typename Q>
-  static void dequantize(const Q* q, QMeta m, T* out, size_t n) {
-    for (size_t i = 0; i < n; ++i) out[i] = Tr::store(static_cast<A>(dequant_value(q[i], m)));
-  }
-};
-
 // Host arrays: sends point straight into x / out, all-gather pieces are received in place, partial
 // results live in out (x is only read).
 template <DType D>
@@ -1067,6 +988,54 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
     give_work(work);
   }
   return r;
+}
+
+// Host memory standing in for a device: runs StagedOps (the CUDA handler's piece logic) on
+// machines without a GPU, so tests cover it everywhere.
+struct HostDev {
+  std::vector<char> h[4], d[3];
+  char* host(int slot, size_t n) {
+    if (h[slot].size() < n) h[slot].resize(n);
+    return h[slot].data();
+  }
+  char* dev(int slot, size_t n) {
+    if (d[slot].size() < n) d[slot].resize(n);
+    return d[slot].data();
+  }
+  void d2h(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+  void h2d(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+  void sync() {}
+  template <DType D>
+  void reduce(const typename Traits<D>::T* in, const typename Traits<D>::T* x, typename Traits<D>::T* out, size_t n,
+              Op op, bool last, int world) {
+    Kernels<D>::reduce(in, x, out, n, op, last, world);
+  }
+  template <DType D, typename Q>
+  void reduce_q(const Q* in, QMeta m, const typename Traits<D>::T* x, typename Traits<D>::T* out, size_t n, Op op,
+                bool last, int world) {
+    Kernels<D>::template reduce_q<Q>(in, m, x, out, n, op, last, world);
+  }
+  template <DType D, typename Q>
+  void quantize(const typename Traits<D>::T* src, Q* q, size_t n, float levels, DevMeta* meta) {
+    QMeta m = Kernels<D>::template quantize<Q>(src, q, n, levels);
+    float range = m.scale * levels;
+    meta->m = m;
+    meta->inv = range > 0 ? levels / range : 0.0f;
+  }
+  template <DType D, typename Q>
+  void dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Traits<D>::T* out, size_t n) {
+    Kernels<D>::template dequantize<Q>(q, meta ? meta->m : mv, out, n);
+  }
+};
+
+OpResult Endpoint::all_reduce_staged(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant,
+                                     uint32_t tag) {
+  HostDev dev;
+  size_t nbytes = count * dtype_size(dtype);
+  return run_op(
+      count, dtype, op, quant, tag,
+      [&](const OpLayout& L) { return make_staged_ops(L, dev, static_cast<const char*>(x), static_cast<char*>(out)); },
+      [&] { std::memmove(out, x, nbytes); });
 }
 
 std::shared_ptr<Endpoint> endpoint_by_handle(int64_t handle) {

@@ -63,11 +63,16 @@ class Endpoint {
   // engine.h); `single` runs instead when the ring has one peer.
   OpResult run_op(size_t count, DType dtype, Op op, Quant quant, uint32_t tag, const OpsFactory& make,
                   const std::function<void()>& single);
+  // The device-staged piece logic of the CUDA handler with host memory as the "device" (tests);
+  // out must not alias x.
+  OpResult all_reduce_staged(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant,
+                             uint32_t tag);
   void abort();
   void set_link(const std::string& peer, double bandwidth_bytes_per_s, double latency_s);
   double measure_bandwidth(const std::string& peer, size_t nbytes);
   void close();
-  void set_piece_bytes(size_t n) { piece_bytes_ = n < 256 ? 256 : n; }
+  // Pipelining granularity; every peer of a ring must use the same value (checked per op).
+  void set_piece_bytes(size_t n) { piece_bytes_ = n < 256 ? 256 : (n > (size_t(1) << 30) ? size_t(1) << 30 : n); }
   int world() const;
   int64_t handle() const { return handle_; }
 

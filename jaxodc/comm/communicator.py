@@ -222,6 +222,8 @@ class Communicator:
         self.close()
 
     def _send(self, obj: dict) -> None:
+        if self._sock is None:
+            raise CommError("Communicator is not connected: call connect() first")
         if self._dead:
             raise MasterUnavailable(f"{self._who()}: coordination service lost: {self._dead}")
         data = P.pack(obj)

@@ -7,6 +7,11 @@ every peer ends with bit-identical results. Operations are native (C++, GIL rele
 concurrently: each takes one pooled connection, granted in call order, so peers must issue
 concurrent operations in the same order (the communicator's per-collective consensus does).
 
+Quantised transfer (``quantize="uint8"|"uint16"``, float dtypes): every piece is sent as min-max
+codes plus (lo, scale); the owner of a reduced chunk quantises it once and keeps exactly the values
+everyone else dequantises, so peers stay bit-identical. Error: at most half a step (range/levels/2)
+per hop, W hops in all.
+
 Failure model: :meth:`abort` or any I/O failure ends in-flight operations with the caller's input
 restored (it is never modified before the operation completes), raising :class:`RingAborted`,
 ``TimeoutError`` or ``ConnectionError`` naming the peer and tag; the endpoint then needs a

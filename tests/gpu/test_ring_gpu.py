@@ -3,7 +3,6 @@ inside jax.jit equals the CPU ring bit for bit. Run on the device machine: pytes
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
