@@ -38,9 +38,13 @@ class ReferenceTrainer:
             acc = g if acc is None else jax.tree_util.tree_map(jnp.add, acc, g)
         return total, acc
 
+    def apply(self, grads) -> None:
+        """Optimizer update with minibatch gradients from `grads`."""
+        self.params, self.opt_state = self._update(self.params, self.opt_state, grads)
+
     def step(self, microbatches: Sequence[dict], global_tokens: float) -> float:
         loss, g = self.grads(microbatches, global_tokens)
-        self.params, self.opt_state = self._update(self.params, self.opt_state, g)
+        self.apply(g)
         return loss
 
     def numpy_params(self) -> dict:
