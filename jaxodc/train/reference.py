@@ -47,5 +47,20 @@ class ReferenceTrainer:
         self.apply(g)
         return loss
 
+    def timing_fn(self, max_tokens: int, seed: int = 0):
+        """step_fn for cost.calibrate: item (a length or a list of lengths) -> one packed microbatch
+        of random tokens, forward + backward on this process alone, blocking. Pure compute with no
+        communication: what a rank's busy time is when collectives' waits are taken out."""
+        from jaxodc.train.packing import pack
+        rng = np.random.default_rng(seed)
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab", 256)
+
+        def step(item):
+            ls = [int(item)] if np.isscalar(item) else [int(x) for x in item]
+            b = pack([rng.integers(0, vocab, size=L).astype(np.int32) for L in ls], max_tokens).as_dict()
+            jax.block_until_ready(self._grad(self.params, b, jnp.float32(1.0)))
+
+        return step
+
     def numpy_params(self) -> dict:
         return jax.tree_util.tree_map(np.asarray, self.params)
