@@ -134,3 +134,14 @@ def test_mlp_units():
     np.testing.assert_allclose(tl, want, rtol=1e-5)
     layout = make_layout(p, 2, order=m.unit_names)
     assert [u.numel for u in layout.units] == [6 * 16 + 16, 16 * 5 + 5]
+
+
+def test_reference_timing_fn_calibrates(lm):
+    from jaxodc.train.cost import calibrate
+    from jaxodc.train.reference import ReferenceTrainer
+    model, params = lm
+    ref = ReferenceTrainer(model, optax.sgd(0.1), params)
+    cm = calibrate(ref.timing_fn(64), [8, 32, 64, [32, 32]], repeats=2)
+    assert cm.a >= 0 and cm.b >= 0 and cm(64) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(ref.numpy_params()),
+                                                    jax.tree_util.tree_leaves(params)))  # timing does not train

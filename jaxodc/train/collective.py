@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -46,22 +47,29 @@ AXIS = "d"
 
 # --------------------------------------------------------------------------- exact global quantities
 
-_REDUCERS: list[Callable] = []
+_LOCAL = threading.local()  # per thread: ranks run as threads in tests, each traces its own step
+
+
+def _reducers() -> list:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
 
 
 @contextlib.contextmanager
 def global_reduction(fn: Callable[[jax.Array], jax.Array]):
     """While tracing inside this context, `global_sum` uses `fn` (a traceable scalar all-sum)."""
-    _REDUCERS.append(fn)
+    _reducers().append(fn)
     try:
         yield
     finally:
-        _REDUCERS.pop()
+        _reducers().pop()
 
 
 def global_sum(x: jax.Array) -> jax.Array:
     """Sum of scalar x over all ranks (identity outside a trainer's optimizer step)."""
-    return _REDUCERS[-1](x) if _REDUCERS else x
+    st = _reducers()
+    return st[-1](x) if st else x
 
 
 def global_norm(tree) -> jax.Array:

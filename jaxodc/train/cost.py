@@ -40,7 +40,8 @@ class CostModel:
         return float(np.sum(self(np.asarray(lengths, dtype=np.float64)))) if len(lengths) else 0.0
 
 
-def calibrate(step_fn: Callable, lengths: Sequence, *, repeats: int = 3, warmup: int = 1) -> CostModel:
+def calibrate(step_fn: Callable, lengths: Sequence, *, repeats: int = 3, warmup: int = 1,
+              clock: Callable[[], float] = time.perf_counter) -> CostModel:
     """Fit a, b (seconds) by least squares from timing `step_fn` on a few microbatches.
 
     `lengths` items are ints (one sample of that length) or sequences of ints (one packed
@@ -60,9 +61,9 @@ def calibrate(step_fn: Callable, lengths: Sequence, *, repeats: int = 3, warmup:
             step_fn(item)
         best = np.inf
         for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
+            t0 = clock()
             step_fn(item)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
         s = np.asarray(ls, dtype=np.float64)
         rows.append([np.sum(s * s), np.sum(s)])
         times.append(best)

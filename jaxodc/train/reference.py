@@ -38,10 +38,29 @@ class ReferenceTrainer:
             acc = g if acc is None else jax.tree_util.tree_map(jnp.add, acc, g)
         return total, acc
 
+    def apply(self, grads) -> None:
+        """Optimizer update with minibatch gradients from `grads`."""
+        self.params, self.opt_state = self._update(self.params, self.opt_state, grads)
+
     def step(self, microbatches: Sequence[dict], global_tokens: float) -> float:
         loss, g = self.grads(microbatches, global_tokens)
-        self.params, self.opt_state = self._update(self.params, self.opt_state, g)
+        self.apply(g)
         return loss
+
+    def timing_fn(self, max_tokens: int, seed: int = 0):
+        """step_fn for cost.calibrate: item (a length or a list of lengths) -> one packed microbatch
+        of random tokens, forward + backward on this process alone, blocking. Pure compute with no
+        communication: what a rank's busy time is when collectives' waits are taken out."""
+        from jaxodc.train.packing import pack
+        rng = np.random.default_rng(seed)
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab", 256)
+
+        def step(item):
+            ls = [int(item)] if np.isscalar(item) else [int(x) for x in item]
+            b = pack([rng.integers(0, vocab, size=L).astype(np.int32) for L in ls], max_tokens).as_dict()
+            jax.block_until_ready(self._grad(self.params, b, jnp.float32(1.0)))
+
+        return step
 
     def numpy_params(self) -> dict:
         return jax.tree_util.tree_map(np.asarray, self.params)
