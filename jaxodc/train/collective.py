@@ -1,9 +1,9 @@
 """Sharded-parameter trainer core, the collective baseline (comm="collective") and the ODC hook.
 
 Parameters live only as fp32 shards per unit (see units.py). One microbatch runs the model unit by
-unit; each unit's stage is `jax.checkpoint(gather -> unflatten -> apply)`, so a unit is gathered
-right before its stage, dropped after it, and gathered again in the backward pass (FSDP
-semantics: only a couple of gathered units are alive at once). `gather` is the only thing the
+unit; each unit's stage is `remat_stage(gather -> unflatten -> apply)` (jax.checkpoint-like, with
+ordering barriers), so a unit is gathered right before its stage, dropped after it, and gathered
+again in the backward pass (FSDP semantics: only a couple of gathered units are alive at once). `gather` is the only thing the
 communication mode changes:
 
 - collective: a custom_vjp whose forward is `all_gather(tiled)` over the mesh axis and whose
@@ -102,6 +102,38 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
 
 
+def remat_stage(fn: Callable) -> Callable:
+    """fn(shard, carry, batch, ctx) -> carry, with FSDP memory semantics.
+
+    Like jax.checkpoint (only the stage inputs are kept for the backward pass; the gathered unit
+    is recomputed there), plus ordering: a gather depends only on a parameter shard, so XLA is
+    free to hoist every unit's gather to the start of the program (it does, on CPU), keeping all
+    gathered units alive at once. Optimization barriers tie the forward gather to the previous
+    stage's output and the backward re-gather to the incoming cotangent, so at most a couple of
+    gathered units are alive at any time."""
+
+    @jax.custom_vjp
+    def stage(shard, carry, batch, ctx):
+        shard, carry = jax.lax.optimization_barrier((shard, carry))
+        return fn(shard, carry, batch, ctx)
+
+    def fwd(shard, carry, batch, ctx):
+        return stage(shard, carry, batch, ctx), (shard, carry, batch, ctx)
+
+    def bwd(res, ct):
+        shard, carry, batch, ctx = res
+        shard, carry, ct = jax.lax.optimization_barrier((shard, carry, ct))
+        _, vjp = jax.vjp(lambda s, c: fn(s, c, batch, ctx), shard, carry)
+        d_shard, d_carry = vjp(ct)
+        zeros = lambda t: jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
+            else jnp.zeros_like(x), t)
+        return d_shard, d_carry, zeros(batch), zeros(ctx)
+
+    stage.defvjp(fwd, bwd)
+    return stage
+
+
 def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: dict, global_tokens,
                  ctx=None) -> jax.Array:
     """Loss of one microbatch from local shards: each unit gathered inside its own remat'd stage."""
@@ -110,7 +142,7 @@ def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: d
         def stage(shard, carry, batch, ctx, spec=spec):
             return model.apply_unit(spec.name, unflatten_unit(spec, gather(shard, spec, ctx)), carry, batch)
 
-        carry = jax.checkpoint(stage)(shards[spec.name], carry, batch, ctx)
+        carry = remat_stage(stage)(shards[spec.name], carry, batch, ctx)
     return jnp.sum(carry) / global_tokens
 
 
