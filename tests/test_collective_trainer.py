@@ -333,12 +333,16 @@ def test_odc_driver_matches_reference(tmp_path):
         plans = _odc_plans(samples, mbs)
         assert len(set(plans[0].counts())) > 1 and plans[1].counts()[1] == 0 and plans[2].queue
         ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
-        ref_losses = []
+        ref_losses, norms = [], []
         for plan, idx in zip(plans, mbs):
             sub = Samples([samples[i] for i in idx])
             all_mbs = [mb for r in range(W) for mb in plan.static(r)] + list(plan.queue or ())
-            ref_losses.append(ref.step([pack([sub[i] for i in mb], MAX_TOKENS).as_dict() for mb in all_mbs],
-                                       plan_global_tokens(plan)))
+            loss, g = ref.grads([pack([sub[i] for i in mb], MAX_TOKENS).as_dict() for mb in all_mbs],
+                                plan_global_tokens(plan))
+            norms.append(float(optax.tree.norm(g)))
+            ref.apply(g)
+            ref_losses.append(loss)
+        assert max(norms) > MAX_NORM  # clipping (a global sum through allgather_scalar) is exercised
     finally:
         try:
             out, _ = p.communicate(timeout=150)

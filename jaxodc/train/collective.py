@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxodc.train.balance import Plan, iter_steal
@@ -373,9 +374,11 @@ class OdcTrainer:
         self._mb_step = jax.jit(lambda s, b, n, v: grad_fn(s, b, n, v))
 
         def reduce_fn(version):
+            # An ordered io_callback: the exchange has side effects and every rank must make the
+            # same calls in the same order, so XLA may neither merge, drop nor reorder them.
             def f(x):
                 cb = lambda v, y: np.float32(np.sum(runtime.allgather_scalar(int(v), float(y))))
-                return jax.pure_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x)
+                return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
         self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
