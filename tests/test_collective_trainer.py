@@ -47,7 +47,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=W, process_id=rank,
                                initialization_timeout=60)
     import optax
-    from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, plan_global_tokens
+    from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, train_loop
     from jaxodc.train.data import Samples
     model, params, samples, mbs = _setup()
     tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
@@ -58,6 +58,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         counts.append(plan.counts())
         losses.append(tr.train_plan(plan, sub.tokens).loss)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **tr.local_shards())
+    # train_loop: plans, records with this rank's samples/tokens and estimated busy time.
+    from jaxodc.train.cost import CostModel
+    recs = train_loop(tr, samples.tokens, mbs[:2], "lb_micro", MAX_TOKENS, CostModel(1e-9, 1e-7), estimate_busy=True)
+    loop = [[r.step, r.samples, r.tokens, r.busy_s, r.loss, len(r.compute)] for r in recs]
     # Unequal microbatch counts must fail on every rank with a message naming them.
     err = ""
     try:
@@ -73,7 +77,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     except ValueError as e:
         fp_err = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"losses": losses, "counts": counts, "err": err, "fp_err": fp_err, "fp": tr.layout.fingerprint()}, fh)
+        json.dump({"losses": losses, "counts": counts, "err": err, "fp_err": fp_err, "fp": tr.layout.fingerprint(),
+                   "loop": loop}, fh)
     jax.distributed.shutdown()
 
 
@@ -135,6 +140,19 @@ def test_collective_matches_reference(tmp_path):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
         assert "ranks disagree on layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
+    # train_loop records: steps continue after the 3 parity steps; every sample counted once.
+    from jaxodc.train.balance import lb_micro
+    from jaxodc.train.cost import CostModel as CM
+    for s in range(2):
+        plan = lb_micro(samples.lengths[mbs[s]].tolist(), W, MAX_TOKENS, CM(1e-9, 1e-7))
+        rows = [info[r]["loop"][s] for r in range(W)]
+        assert [row[0] for row in rows] == [STEPS + s] * W
+        assert sum(row[1] for row in rows) == W * B and sum(row[2] for row in rows) == plan.total_tokens
+        for r, row in enumerate(rows):
+            assert row[5] == max(plan.counts())  # padded to equal counts
+            want = sum(CM(1e-9, 1e-7).microbatch([plan.lengths[i] for i in mb]) for mb in plan.ranks[r])
+            assert want < row[3] < want + 5.0  # + optimizer seconds
+        assert rows[0][4] == rows[1][4] > 0
 
     layout = make_layout(params, W, order=model.unit_names)
     shards = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(W)]

@@ -188,6 +188,7 @@ class StepResult:
     t_end: float
     microbatches: list[tuple[float, float]] = field(default_factory=list)
     opt: tuple[float, float] = (0.0, 0.0)
+    ran: list[tuple[int, ...]] = field(default_factory=list)  # train_plan: sample indices per microbatch run here
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None) -> list[dict]:
@@ -300,8 +301,10 @@ class CollectiveTrainer:
         """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
-        return self.train_minibatch(microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts())),
-                                    plan_global_tokens(plan))
+        res = self.train_minibatch(microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts())),
+                                   plan_global_tokens(plan))
+        res.ran = list(plan.ranks[self.rank])
+        return res
 
     def local_shards(self) -> dict[str, np.ndarray]:
         return {n: np.asarray(a.addressable_data(0)) for n, a in self.shards.items()}
@@ -415,16 +418,54 @@ class OdcTrainer:
         """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
+        ran: list[tuple[int, ...]] = []
         if plan.balance == "lb_steal":
             own = plan.static(self.rank)
-            mbs = (pack([samples[i] for i in mb], plan.max_tokens).as_dict()
-                   for mb in itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version)))
+            claims = itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version))
         else:
-            mbs = microbatches_for(plan, self.rank, samples)
-        return self.train_minibatch(mbs, plan_global_tokens(plan))
+            claims = iter(plan.ranks[self.rank])
+
+        def packed():
+            for mb in claims:
+                ran.append(mb)
+                yield pack([samples[i] for i in mb], plan.max_tokens).as_dict()
+
+        res = self.train_minibatch(packed(), plan_global_tokens(plan))
+        res.ran = ran
+        return res
 
     def local_shards(self) -> dict[str, np.ndarray]:
         return {n: np.asarray(a) for n, a in self.shards.items()}
+
+
+def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,
+               cost=None, progress: bool = False, estimate_busy: bool = False) -> list:
+    """Run `trainer` (collective or ODC) over global minibatches (each a sequence of indices into
+    `samples`, the same on every rank), planning each with `balance`. Returns this rank's
+    metrics.MinibatchRecord list. `estimate_busy` (collective): set each record's busy time to
+    the cost model's prediction (cost in seconds, e.g. from calibrate(ReferenceTrainer.timing_fn))
+    plus the optimizer time, because the measured microbatch intervals include collective waits."""
+    from jaxodc.train.balance import make_plan
+    from jaxodc.train.cost import CostModel
+    from jaxodc.train.metrics import MinibatchRecord, Progress
+    cost = cost or CostModel()
+    if trainer.comm == "collective" and balance == "lb_steal":
+        raise ValueError("lb_steal claims microbatches at run time; it needs comm='odc'")
+    batches = [list(map(int, b)) for b in minibatch_indices]
+    bar = Progress(len(batches), f"{trainer.comm}+{balance}", enabled=progress and trainer.rank == 0)
+    records = []
+    for idx in batches:
+        sub = [samples[i] for i in idx]
+        plan = make_plan(balance, [len(x) for x in sub], trainer.world, max_tokens, cost)
+        res = trainer.train_plan(plan, sub)
+        mine = [i for mb in res.ran for i in mb]
+        rec = MinibatchRecord.from_result(res, trainer.rank, len(mine), sum(plan.lengths[i] for i in mine),
+                                          trainer.comm, balance)
+        if estimate_busy:
+            rec.busy_s = sum(cost.microbatch([plan.lengths[i] for i in mb]) for mb in res.ran) + (res.opt[1] - res.opt[0])
+        records.append(rec)
+        bar.update(loss=res.loss)
+    return records
 
 
 def make_trainer(model, optimizer: optax.GradientTransformation, params: dict, comm: str = "collective",
