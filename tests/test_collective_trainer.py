@@ -17,6 +17,7 @@ W, B, MAX_TOKENS, STEPS, MAX_NORM, LR = 2, 4, 64, 3, 0.05, 1e-3
 # every parameter still moves by ~lr per step.
 EPS = 1e-6
 MB_SEED = 5
+MIN_BUCKET = 32  # rows of 32 or 64 tokens (the reference packs everything to 64: padding is inert)
 
 
 def _setup():
@@ -49,6 +50,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     import optax
     from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, train_loop
     from jaxodc.train.data import Samples
+    from jaxodc.train.packing import pack
     model, params, samples, mbs = _setup()
     tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
     losses, counts = [], []
@@ -56,18 +58,22 @@ def _worker(rank: int, port: int, out: str) -> None:
         plan = _plan(samples, idx, step)
         sub = Samples([samples[i] for i in idx])
         counts.append(plan.counts())
-        losses.append(tr.train_plan(plan, sub.tokens).loss)
+        losses.append(tr.train_plan(plan, sub.tokens, min_bucket=MIN_BUCKET).loss)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **tr.local_shards())
     # train_loop: plans, records with this rank's samples/tokens and estimated busy time.
     from jaxodc.train.cost import CostModel
     recs = train_loop(tr, samples.tokens, mbs[:2], "lb_micro", MAX_TOKENS, CostModel(1e-9, 1e-7), estimate_busy=True)
     loop = [[r.step, r.samples, r.tokens, r.busy_s, r.loss, len(r.compute)] for r in recs]
     # Unequal microbatch counts must fail on every rank with a message naming them.
-    err = ""
+    err = shape_err = ""
     try:
         tr.train_minibatch([microbatches_for(plan, rank, sub.tokens)[0]] * (1 + rank), 10.0)
     except ValueError as e:
         err = str(e)
+    try:  # same count, different row lengths
+        tr.train_minibatch([pack([sub.tokens[0][:4]], 16 * (1 + rank)).as_dict()], 10.0)
+    except ValueError as e:
+        shape_err = str(e)
     # A model configured differently on one rank is caught before any training collective.
     from models.lm import LM, LMConfig
     other = LM(LMConfig(d_model=32, n_layers=2 + rank, n_heads=2))
@@ -77,7 +83,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     except ValueError as e:
         fp_err = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"losses": losses, "counts": counts, "err": err, "fp_err": fp_err, "fp": tr.layout.fingerprint(),
+        json.dump({"losses": losses, "counts": counts, "err": err, "shape_err": shape_err, "fp_err": fp_err, "fp": tr.layout.fingerprint(),
                    "loop": loop}, fh)
     jax.distributed.shutdown()
 
@@ -119,7 +125,7 @@ def test_collective_matches_reference(tmp_path):
     try:
         model, params, samples, mbs = _setup()
         ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
-        ref_losses, norms = [], []
+        ref_losses, norms, buckets = [], [], set()
         for step, idx in enumerate(mbs):
             plan = _plan(samples, idx, step)
             sub = Samples([samples[i] for i in idx])
@@ -128,8 +134,14 @@ def test_collective_matches_reference(tmp_path):
             norms.append(float(optax.tree.norm(g)))
             ref.apply(g)
             ref_losses.append(loss)
+            for m in range(max(plan.counts())):  # lock-step buckets: one row length per step on all ranks
+                rows = {microbatches_for(plan, r, sub.tokens, max(plan.counts()), MIN_BUCKET, True)[m]["tokens"].shape
+                        for r in range(W)}
+                assert len(rows) == 1
+                buckets |= rows
     finally:
         wait()
+    assert buckets == {(1, 32), (1, 64)}, buckets
     assert max(norms) > MAX_NORM, "clipping never triggered; the test would not exercise the global norm"
 
     info = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(W)]
@@ -140,6 +152,7 @@ def test_collective_matches_reference(tmp_path):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
         assert "ranks disagree on layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
+        assert "ranks disagree on microbatch shapes" in info[r]["shape_err"], info[r]["shape_err"]
     # train_loop records: steps continue after the 3 parity steps; every sample counted once.
     from jaxodc.train.balance import lb_micro
     from jaxodc.train.cost import CostModel as CM
@@ -310,7 +323,7 @@ def _odc_worker(out: str) -> None:
                                 _thread_runtime(hub, rank))
                 losses = []
                 for plan, idx in zip(plans, mbs):
-                    res = tr.train_plan(plan, Samples([samples[i] for i in idx]).tokens)
+                    res = tr.train_plan(plan, Samples([samples[i] for i in idx]).tokens, min_bucket=MIN_BUCKET)
                     losses.append((res.loss, len(res.microbatches)))
                 results[rank] = (tr.local_shards(), losses)
         except BaseException as e:  # surface in the main thread

@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -41,7 +42,7 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxodc.train.balance import Plan, iter_steal
-from jaxodc.train.packing import empty, loss_tokens, pack
+from jaxodc.train.packing import bucket, loss_tokens, pack
 from jaxodc.train.units import Layout, UnitSpec, make_layout, shard_params, unflatten_unit
 
 AXIS = "d"
@@ -191,17 +192,34 @@ class StepResult:
     ran: list[tuple[int, ...]] = field(default_factory=list)  # train_plan: sample indices per microbatch run here
 
 
-def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None) -> list[dict]:
-    """This rank's packed microbatches ([1, max_tokens] arrays) of a static plan; `pad_to` appends
-    all-padding microbatches (collective: equal counts on every rank)."""
+def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
+                     min_bucket: int | None = None, lockstep: bool = False) -> list[dict]:
+    """This rank's packed microbatches ([1, T] arrays) of a static plan. T = plan.max_tokens, or
+    with `min_bucket` the microbatch's bucket (packing.bucket); `lockstep` (collective) uses, for
+    step m, the largest bucket of any rank's m-th microbatch so all ranks agree on the shape.
+    `pad_to` appends all-padding microbatches (collective: equal counts on every rank)."""
     if plan.balance == "lb_steal":
         raise ValueError("an lb_steal plan is partly claimed at run time (iter_steal); only comm='odc' runs it")
-    mbs = [pack([samples[i] for i in mb], plan.max_tokens).as_dict() for mb in plan.ranks[rank]]
+    mine = list(plan.ranks[rank])
     if pad_to is not None:
-        if len(mbs) > pad_to:
-            raise ValueError(f"rank {rank} has {len(mbs)} microbatches > pad_to={pad_to}")
-        mbs += [empty(plan.max_tokens).as_dict() for _ in range(pad_to - len(mbs))]
-    return mbs
+        if len(mine) > pad_to:
+            raise ValueError(f"rank {rank} has {len(mine)} microbatches > pad_to={pad_to}")
+        mine += [()] * (pad_to - len(mine))
+
+    def size(r, m):
+        mbs = plan.ranks[r]
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, plan.max_tokens, min_bucket)
+
+    out = []
+    for m, mb in enumerate(mine):
+        if min_bucket is None:
+            T = plan.max_tokens
+        elif lockstep:
+            T = max(size(r, m) for r in range(plan.world))
+        else:
+            T = size(rank, m)
+        out.append(pack([samples[i] for i in mb], T).as_dict())
+    return out
 
 
 def plan_global_tokens(plan: Plan) -> int:
@@ -233,7 +251,7 @@ class CollectiveTrainer:
 
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
         if check:
-            self._check_same("layout fingerprint", int(self.layout.fingerprint()[:7], 16))
+            self._check_same(["layout fingerprint"], [int(self.layout.fingerprint()[:7], 16)])
 
         local = shard_params(self.layout, params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
@@ -260,15 +278,17 @@ class CollectiveTrainer:
         local = np.asarray(local)
         return jax.make_array_from_process_local_data(self._sh, local, (self.world * local.shape[0],) + local.shape[1:])
 
-    def allgather_int(self, x: int) -> np.ndarray:
-        """Every rank's int (int32) as an array [W] (one collective)."""
-        out = self._gather_ints(self._global(np.array([x], np.int32)))
+    def allgather_ints(self, xs: Sequence[int]) -> np.ndarray:
+        """Every rank's ints (int32) as an array [W, len(xs)] (one collective)."""
+        out = self._gather_ints(self._global(np.array([list(xs)], np.int32)))
         return np.asarray(out.addressable_data(0))
 
-    def _check_same(self, what: str, x: int) -> None:
-        got = self.allgather_int(x)
-        if np.any(got != got[0]):
-            raise ValueError(f"ranks disagree on {what}: " + ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(got)))
+    def _check_same(self, whats: Sequence[str], xs: Sequence[int]) -> None:
+        got = self.allgather_ints(xs)
+        for j, what in enumerate(whats):
+            if np.any(got[:, j] != got[0, j]):
+                raise ValueError(f"ranks disagree on {what}: "
+                                 + ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(got[:, j])))
 
     def train_minibatch(self, microbatches: Sequence[dict], global_tokens: float, check: bool = True) -> StepResult:
         """One minibatch: this rank's microbatches (dicts of [1, T] arrays, same count and T on
@@ -276,7 +296,10 @@ class CollectiveTrainer:
         the whole minibatch over all ranks."""
         mbs = list(microbatches)
         if check:
-            self._check_same("microbatch count (collective needs equal counts; pad with packing.empty)", len(mbs))
+            shapes = repr([tuple(np.shape(mb["tokens"])) for mb in mbs]).encode()
+            self._check_same(["microbatch count (collective needs equal counts; pad with packing.empty)",
+                              "microbatch shapes (collective steps need one shape per step on all ranks)"],
+                             [len(mbs), zlib.crc32(shapes) & 0x7FFFFFFF])
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
         res = StepResult(self.version, 0.0, time.perf_counter(), 0.0)
@@ -297,12 +320,14 @@ class CollectiveTrainer:
         self.version += 1
         return res
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
-        """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts."""
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+        """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts.
+        `min_bucket`: bucketed row lengths (packing.bucket), the same on all ranks per step."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
-        res = self.train_minibatch(microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts())),
-                                   plan_global_tokens(plan))
+        mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
+                               lockstep=True)
+        res = self.train_minibatch(mbs, plan_global_tokens(plan))
         res.ran = list(plan.ranks[self.rank])
         return res
 
@@ -414,8 +439,9 @@ class OdcTrainer:
         self.version = v + 1
         return res
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
-        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue."""
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue.
+        `min_bucket`: each microbatch packed to its own bucket (packing.bucket)."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         ran: list[tuple[int, ...]] = []
@@ -428,7 +454,8 @@ class OdcTrainer:
         def packed():
             for mb in claims:
                 ran.append(mb)
-                yield pack([samples[i] for i in mb], plan.max_tokens).as_dict()
+                T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
+                yield pack([samples[i] for i in mb], T).as_dict()
 
         res = self.train_minibatch(packed(), plan_global_tokens(plan))
         res.ran = ran
@@ -439,12 +466,14 @@ class OdcTrainer:
 
 
 def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,
-               cost=None, progress: bool = False, estimate_busy: bool = False) -> list:
+               cost=None, progress: bool = False, estimate_busy: bool = False,
+               min_bucket: int | None = None) -> list:
     """Run `trainer` (collective or ODC) over global minibatches (each a sequence of indices into
     `samples`, the same on every rank), planning each with `balance`. Returns this rank's
     metrics.MinibatchRecord list. `estimate_busy` (collective): set each record's busy time to
     the cost model's prediction (cost in seconds, e.g. from calibrate(ReferenceTrainer.timing_fn))
-    plus the optimizer time, because the measured microbatch intervals include collective waits."""
+    plus the optimizer time, because the measured microbatch intervals include collective waits.
+    `min_bucket`: bucketed microbatch shapes (packing.bucket), so compute follows the content."""
     from jaxodc.train.balance import make_plan
     from jaxodc.train.cost import CostModel
     from jaxodc.train.metrics import MinibatchRecord, Progress
@@ -457,7 +486,7 @@ def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], bal
     for idx in batches:
         sub = [samples[i] for i in idx]
         plan = make_plan(balance, [len(x) for x in sub], trainer.world, max_tokens, cost)
-        res = trainer.train_plan(plan, sub)
+        res = trainer.train_plan(plan, sub, min_bucket=min_bucket)
         mine = [i for mb in res.ran for i in mb]
         rec = MinibatchRecord.from_result(res, trainer.rank, len(mine), sum(plan.lengths[i] for i in mine),
                                           trainer.comm, balance)
