@@ -53,6 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from jaxodc.train.packing import pack
     model, params, samples, mbs = _setup()
     tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
+    tr.warmup([32, 64])  # compiles; must leave parameters and optimizer state untouched (parity below)
     losses, counts = [], []
     for step, idx in enumerate(mbs):
         plan = _plan(samples, idx, step)

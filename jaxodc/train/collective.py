@@ -320,6 +320,20 @@ class CollectiveTrainer:
         self.version += 1
         return res
 
+    def warmup(self, row_lengths: Sequence[int]) -> None:
+        """Compile the microbatch step for each row length (e.g. every bucket) by running it on an
+        all-padding microbatch whose gradient is discarded, and the optimizer step on copies;
+        parameters and optimizer state are untouched. Every rank must call it with the same
+        lengths (it runs collectives)."""
+        ntok = jnp.float32(1.0)
+        zeros = lambda: {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+        for T in row_lengths:
+            batch = {k: self._global(v) for k, v in pack([], int(T)).as_dict().items()}
+            jax.block_until_ready(self._mb_step(self.shards, zeros(), batch, ntok))
+        # the optimizer step too, on copies (it donates its inputs)
+        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
+        jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
+
     def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
         """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts.
         `min_bucket`: bucketed row lengths (packing.bucket), the same on all ranks per step."""
