@@ -17,6 +17,7 @@ W, B, MAX_TOKENS, STEPS, MAX_NORM, LR = 2, 4, 64, 3, 0.05, 1e-3
 # every parameter still moves by ~lr per step.
 EPS = 1e-6
 MB_SEED = 5
+MIN_BUCKET = 32  # rows of 32 or 64 tokens (the reference packs everything to 64: padding is inert)
 
 
 def _setup():
@@ -47,23 +48,33 @@ def _worker(rank: int, port: int, out: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=W, process_id=rank,
                                initialization_timeout=60)
     import optax
-    from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, plan_global_tokens
+    from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, train_loop
     from jaxodc.train.data import Samples
+    from jaxodc.train.packing import pack
     model, params, samples, mbs = _setup()
     tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
+    tr.warmup([32, 64])  # compiles; must leave parameters and optimizer state untouched (parity below)
     losses, counts = [], []
     for step, idx in enumerate(mbs):
         plan = _plan(samples, idx, step)
         sub = Samples([samples[i] for i in idx])
         counts.append(plan.counts())
-        losses.append(tr.train_plan(plan, sub.tokens).loss)
+        losses.append(tr.train_plan(plan, sub.tokens, min_bucket=MIN_BUCKET).loss)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **tr.local_shards())
+    # train_loop: plans, records with this rank's samples/tokens and estimated busy time.
+    from jaxodc.train.cost import CostModel
+    recs = train_loop(tr, samples.tokens, mbs[:2], "lb_micro", MAX_TOKENS, CostModel(1e-9, 1e-7), estimate_busy=True)
+    loop = [[r.step, r.samples, r.tokens, r.busy_s, r.loss, len(r.compute)] for r in recs]
     # Unequal microbatch counts must fail on every rank with a message naming them.
-    err = ""
+    err = shape_err = ""
     try:
         tr.train_minibatch([microbatches_for(plan, rank, sub.tokens)[0]] * (1 + rank), 10.0)
     except ValueError as e:
         err = str(e)
+    try:  # same count, different row lengths
+        tr.train_minibatch([pack([sub.tokens[0][:4]], 16 * (1 + rank)).as_dict()], 10.0)
+    except ValueError as e:
+        shape_err = str(e)
     # A model configured differently on one rank is caught before any training collective.
     from models.lm import LM, LMConfig
     other = LM(LMConfig(d_model=32, n_layers=2 + rank, n_heads=2))
@@ -73,7 +84,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     except ValueError as e:
         fp_err = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"losses": losses, "counts": counts, "err": err, "fp_err": fp_err, "fp": tr.layout.fingerprint()}, fh)
+        json.dump({"losses": losses, "counts": counts, "err": err, "shape_err": shape_err, "fp_err": fp_err, "fp": tr.layout.fingerprint(),
+                   "loop": loop}, fh)
     jax.distributed.shutdown()
 
 
@@ -114,7 +126,7 @@ def test_collective_matches_reference(tmp_path):
     try:
         model, params, samples, mbs = _setup()
         ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
-        ref_losses, norms = [], []
+        ref_losses, norms, buckets = [], [], set()
         for step, idx in enumerate(mbs):
             plan = _plan(samples, idx, step)
             sub = Samples([samples[i] for i in idx])
@@ -123,8 +135,14 @@ def test_collective_matches_reference(tmp_path):
             norms.append(float(optax.tree.norm(g)))
             ref.apply(g)
             ref_losses.append(loss)
+            for m in range(max(plan.counts())):  # lock-step buckets: one row length per step on all ranks
+                rows = {microbatches_for(plan, r, sub.tokens, max(plan.counts()), MIN_BUCKET, True)[m]["tokens"].shape
+                        for r in range(W)}
+                assert len(rows) == 1
+                buckets |= rows
     finally:
         wait()
+    assert buckets == {(1, 32), (1, 64)}, buckets
     assert max(norms) > MAX_NORM, "clipping never triggered; the test would not exercise the global norm"
 
     info = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(W)]
@@ -135,6 +153,20 @@ def test_collective_matches_reference(tmp_path):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
         assert "ranks disagree on layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
+        assert "ranks disagree on microbatch shapes" in info[r]["shape_err"], info[r]["shape_err"]
+    # train_loop records: steps continue after the 3 parity steps; every sample counted once.
+    from jaxodc.train.balance import lb_micro
+    from jaxodc.train.cost import CostModel as CM
+    for s in range(2):
+        plan = lb_micro(samples.lengths[mbs[s]].tolist(), W, MAX_TOKENS, CM(1e-9, 1e-7))
+        rows = [info[r]["loop"][s] for r in range(W)]
+        assert [row[0] for row in rows] == [STEPS + s] * W
+        assert sum(row[1] for row in rows) == W * B and sum(row[2] for row in rows) == plan.total_tokens
+        for r, row in enumerate(rows):
+            assert row[5] == max(plan.counts())  # padded to equal counts
+            want = sum(CM(1e-9, 1e-7).microbatch([plan.lengths[i] for i in mb]) for mb in plan.ranks[r])
+            assert want < row[3] < want + 5.0  # + optimizer seconds
+        assert rows[0][4] == rows[1][4] > 0
 
     layout = make_layout(params, W, order=model.unit_names)
     shards = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(W)]
@@ -292,7 +324,7 @@ def _odc_worker(out: str) -> None:
                                 _thread_runtime(hub, rank))
                 losses = []
                 for plan, idx in zip(plans, mbs):
-                    res = tr.train_plan(plan, Samples([samples[i] for i in idx]).tokens)
+                    res = tr.train_plan(plan, Samples([samples[i] for i in idx]).tokens, min_bucket=MIN_BUCKET)
                     losses.append((res.loss, len(res.microbatches)))
                 results[rank] = (tr.local_shards(), losses)
         except BaseException as e:  # surface in the main thread
@@ -333,12 +365,16 @@ def test_odc_driver_matches_reference(tmp_path):
         plans = _odc_plans(samples, mbs)
         assert len(set(plans[0].counts())) > 1 and plans[1].counts()[1] == 0 and plans[2].queue
         ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
-        ref_losses = []
+        ref_losses, norms = [], []
         for plan, idx in zip(plans, mbs):
             sub = Samples([samples[i] for i in idx])
             all_mbs = [mb for r in range(W) for mb in plan.static(r)] + list(plan.queue or ())
-            ref_losses.append(ref.step([pack([sub[i] for i in mb], MAX_TOKENS).as_dict() for mb in all_mbs],
-                                       plan_global_tokens(plan)))
+            loss, g = ref.grads([pack([sub[i] for i in mb], MAX_TOKENS).as_dict() for mb in all_mbs],
+                                plan_global_tokens(plan))
+            norms.append(float(optax.tree.norm(g)))
+            ref.apply(g)
+            ref_losses.append(loss)
+        assert max(norms) > MAX_NORM  # clipping (a global sum through allgather_scalar) is exercised
     finally:
         try:
             out, _ = p.communicate(timeout=150)
@@ -359,8 +395,59 @@ def test_odc_driver_matches_reference(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+# ---------------------------------------------------------------------------------------------
+# FSDP memory semantics of the compiled collective microbatch step: XLA's temporary memory must
+# not grow with depth (only a couple of gathered units alive at a time, not all of them).
+
+def _memory_worker(out: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    from models.lm import LM, LMConfig
+    from jaxodc.train.collective import AXIS, collective_gather, microbatch_grad
+    from jaxodc.train.packing import pack
+    from jaxodc.train.units import make_layout
+    mesh = Mesh(np.array(jax.devices()[:W]), (AXIS,))
+    res = {}
+    for layers in (2, 4):
+        model = LM(LMConfig(d_model=128, n_layers=layers, n_heads=4))
+        shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0)))
+        layout = make_layout(shapes, W, order=model.unit_names)
+        grad = microbatch_grad(model, layout, collective_gather(AXIS))
+        spec = {n: P(AXIS) for n in layout.names}
+        step = jax.jit(jax.shard_map(lambda s, b, n: grad(s, b, n, None), mesh=mesh,
+                                     in_specs=(spec, P(AXIS), P()), out_specs=(P(), spec), check_vma=False))
+        shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
+        batch = {k: jax.ShapeDtypeStruct((W, 32), v.dtype) for k, v in pack([np.arange(5)], 32).as_dict().items()}
+        mem = step.lower(shards, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile().memory_analysis()
+        res[layers] = {"temp": int(mem.temp_size_in_bytes), "unit": 4 * layout.largest,
+                       "params": 4 * sum(u.padded for u in layout.units)}
+    with open(os.path.join(out, "mem.json"), "w") as fh:
+        json.dump(res, fh)
+
+
+def test_collective_step_memory_does_not_grow_with_depth(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={W} --xla_cpu_multi_thread_eigen=false "
+                         "intra_op_parallelism_threads=1")
+    p = subprocess.run([sys.executable, __file__, "mem", str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=150)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    res = json.load(open(tmp_path / "mem.json"))
+    two, four = res["2"], res["4"]
+    unit = four["unit"]
+    assert four["params"] > 2.5 * unit  # the model is several units big
+    # Two more blocks add two units of parameters but (almost) no temporary memory: activations of
+    # a 32-token microbatch are ~16 KiB per block, a gathered block is ~0.8 MiB.
+    assert four["temp"] - two["temp"] < 0.1 * unit, res
+    # Peak temporaries: a gathered unit, its full-size gradient and a copy -- a few units, not all.
+    assert four["temp"] < 4 * unit, res
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "odc":
+    if sys.argv[1] == "mem":
+        _memory_worker(sys.argv[2])
+    elif sys.argv[1] == "odc":
         _odc_worker(sys.argv[2])
     else:
         _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -5,7 +5,7 @@ import pytest
 
 from jaxodc.train.data import (PRESETS, Samples, VOCAB, load_jsonl, load_lengths, minibatches, sample_lengths,
                                stdlib_corpus, synthetic_text)
-from jaxodc.train.packing import empty, loss_tokens, pack
+from jaxodc.train.packing import bucket, empty, loss_tokens, pack
 
 
 def test_pack_layout_by_hand():
@@ -82,3 +82,10 @@ def test_minibatches_deterministic_cover_epoch():
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     with pytest.raises(ValueError):
         next(minibatches(3, 6))
+
+
+def test_bucket():
+    assert [bucket(t, 512, 64) for t in (0, 1, 64, 65, 128, 129, 300, 512)] == [64, 64, 64, 128, 128, 256, 512, 512]
+    assert bucket(100, 100, 64) == 100 and bucket(10, 48, 64) == 48  # capped at max_tokens
+    with pytest.raises(ValueError, match="513 tokens do not fit max_tokens=512"):
+        bucket(513, 512)

@@ -1,9 +1,9 @@
 """Sharded-parameter trainer core, the collective baseline (comm="collective") and the ODC hook.
 
 Parameters live only as fp32 shards per unit (see units.py). One microbatch runs the model unit by
-unit; each unit's stage is `jax.checkpoint(gather -> unflatten -> apply)`, so a unit is gathered
-right before its stage, dropped after it, and gathered again in the backward pass (FSDP
-semantics: only a couple of gathered units are alive at once). `gather` is the only thing the
+unit; each unit's stage is `remat_stage(gather -> unflatten -> apply)` (jax.checkpoint-like, with
+ordering barriers), so a unit is gathered right before its stage, dropped after it, and gathered
+again in the backward pass (FSDP semantics: only a couple of gathered units are alive at once). `gather` is the only thing the
 communication mode changes:
 
 - collective: a custom_vjp whose forward is `all_gather(tiled)` over the mesh axis and whose
@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -37,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxodc.train.balance import Plan, iter_steal
-from jaxodc.train.packing import empty, loss_tokens, pack
+from jaxodc.train.packing import bucket, loss_tokens, pack
 from jaxodc.train.units import Layout, UnitSpec, make_layout, shard_params, unflatten_unit
 
 AXIS = "d"
@@ -102,6 +104,38 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
 
 
+def remat_stage(fn: Callable) -> Callable:
+    """fn(shard, carry, batch, ctx) -> carry, with FSDP memory semantics.
+
+    Like jax.checkpoint (only the stage inputs are kept for the backward pass; the gathered unit
+    is recomputed there), plus ordering: a gather depends only on a parameter shard, so XLA is
+    free to hoist every unit's gather to the start of the program (it does, on CPU), keeping all
+    gathered units alive at once. Optimization barriers tie the forward gather to the previous
+    stage's output and the backward re-gather to the incoming cotangent, so at most a couple of
+    gathered units are alive at any time."""
+
+    @jax.custom_vjp
+    def stage(shard, carry, batch, ctx):
+        shard, carry = jax.lax.optimization_barrier((shard, carry))
+        return fn(shard, carry, batch, ctx)
+
+    def fwd(shard, carry, batch, ctx):
+        return stage(shard, carry, batch, ctx), (shard, carry, batch, ctx)
+
+    def bwd(res, ct):
+        shard, carry, batch, ctx = res
+        shard, carry, ct = jax.lax.optimization_barrier((shard, carry, ct))
+        _, vjp = jax.vjp(lambda s, c: fn(s, c, batch, ctx), shard, carry)
+        d_shard, d_carry = vjp(ct)
+        zeros = lambda t: jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
+            else jnp.zeros_like(x), t)
+        return d_shard, d_carry, zeros(batch), zeros(ctx)
+
+    stage.defvjp(fwd, bwd)
+    return stage
+
+
 def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: dict, global_tokens,
                  ctx=None) -> jax.Array:
     """Loss of one microbatch from local shards: each unit gathered inside its own remat'd stage."""
@@ -110,7 +144,7 @@ def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: d
         def stage(shard, carry, batch, ctx, spec=spec):
             return model.apply_unit(spec.name, unflatten_unit(spec, gather(shard, spec, ctx)), carry, batch)
 
-        carry = jax.checkpoint(stage)(shards[spec.name], carry, batch, ctx)
+        carry = remat_stage(stage)(shards[spec.name], carry, batch, ctx)
     return jnp.sum(carry) / global_tokens
 
 
@@ -155,19 +189,37 @@ class StepResult:
     t_end: float
     microbatches: list[tuple[float, float]] = field(default_factory=list)
     opt: tuple[float, float] = (0.0, 0.0)
+    ran: list[tuple[int, ...]] = field(default_factory=list)  # train_plan: sample indices per microbatch run here
 
 
-def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None) -> list[dict]:
-    """This rank's packed microbatches ([1, max_tokens] arrays) of a static plan; `pad_to` appends
-    all-padding microbatches (collective: equal counts on every rank)."""
+def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
+                     min_bucket: int | None = None, lockstep: bool = False) -> list[dict]:
+    """This rank's packed microbatches ([1, T] arrays) of a static plan. T = plan.max_tokens, or
+    with `min_bucket` the microbatch's bucket (packing.bucket); `lockstep` (collective) uses, for
+    step m, the largest bucket of any rank's m-th microbatch so all ranks agree on the shape.
+    `pad_to` appends all-padding microbatches (collective: equal counts on every rank)."""
     if plan.balance == "lb_steal":
         raise ValueError("an lb_steal plan is partly claimed at run time (iter_steal); only comm='odc' runs it")
-    mbs = [pack([samples[i] for i in mb], plan.max_tokens).as_dict() for mb in plan.ranks[rank]]
+    mine = list(plan.ranks[rank])
     if pad_to is not None:
-        if len(mbs) > pad_to:
-            raise ValueError(f"rank {rank} has {len(mbs)} microbatches > pad_to={pad_to}")
-        mbs += [empty(plan.max_tokens).as_dict() for _ in range(pad_to - len(mbs))]
-    return mbs
+        if len(mine) > pad_to:
+            raise ValueError(f"rank {rank} has {len(mine)} microbatches > pad_to={pad_to}")
+        mine += [()] * (pad_to - len(mine))
+
+    def size(r, m):
+        mbs = plan.ranks[r]
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, plan.max_tokens, min_bucket)
+
+    out = []
+    for m, mb in enumerate(mine):
+        if min_bucket is None:
+            T = plan.max_tokens
+        elif lockstep:
+            T = max(size(r, m) for r in range(plan.world))
+        else:
+            T = size(rank, m)
+        out.append(pack([samples[i] for i in mb], T).as_dict())
+    return out
 
 
 def plan_global_tokens(plan: Plan) -> int:
@@ -199,7 +251,7 @@ class CollectiveTrainer:
 
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
         if check:
-            self._check_same("layout fingerprint", int(self.layout.fingerprint()[:7], 16))
+            self._check_same(["layout fingerprint"], [int(self.layout.fingerprint()[:7], 16)])
 
         local = shard_params(self.layout, params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
@@ -226,15 +278,17 @@ class CollectiveTrainer:
         local = np.asarray(local)
         return jax.make_array_from_process_local_data(self._sh, local, (self.world * local.shape[0],) + local.shape[1:])
 
-    def allgather_int(self, x: int) -> np.ndarray:
-        """Every rank's int (int32) as an array [W] (one collective)."""
-        out = self._gather_ints(self._global(np.array([x], np.int32)))
+    def allgather_ints(self, xs: Sequence[int]) -> np.ndarray:
+        """Every rank's ints (int32) as an array [W, len(xs)] (one collective)."""
+        out = self._gather_ints(self._global(np.array([list(xs)], np.int32)))
         return np.asarray(out.addressable_data(0))
 
-    def _check_same(self, what: str, x: int) -> None:
-        got = self.allgather_int(x)
-        if np.any(got != got[0]):
-            raise ValueError(f"ranks disagree on {what}: " + ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(got)))
+    def _check_same(self, whats: Sequence[str], xs: Sequence[int]) -> None:
+        got = self.allgather_ints(xs)
+        for j, what in enumerate(whats):
+            if np.any(got[:, j] != got[0, j]):
+                raise ValueError(f"ranks disagree on {what}: "
+                                 + ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(got[:, j])))
 
     def train_minibatch(self, microbatches: Sequence[dict], global_tokens: float, check: bool = True) -> StepResult:
         """One minibatch: this rank's microbatches (dicts of [1, T] arrays, same count and T on
@@ -242,7 +296,10 @@ class CollectiveTrainer:
         the whole minibatch over all ranks."""
         mbs = list(microbatches)
         if check:
-            self._check_same("microbatch count (collective needs equal counts; pad with packing.empty)", len(mbs))
+            shapes = repr([tuple(np.shape(mb["tokens"])) for mb in mbs]).encode()
+            self._check_same(["microbatch count (collective needs equal counts; pad with packing.empty)",
+                              "microbatch shapes (collective steps need one shape per step on all ranks)"],
+                             [len(mbs), zlib.crc32(shapes) & 0x7FFFFFFF])
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
         res = StepResult(self.version, 0.0, time.perf_counter(), 0.0)
@@ -263,12 +320,30 @@ class CollectiveTrainer:
         self.version += 1
         return res
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
-        """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts."""
+    def warmup(self, row_lengths: Sequence[int]) -> None:
+        """Compile the microbatch step for each row length (e.g. every bucket) by running it on an
+        all-padding microbatch whose gradient is discarded, and the optimizer step on copies;
+        parameters and optimizer state are untouched. Every rank must call it with the same
+        lengths (it runs collectives)."""
+        ntok = jnp.float32(1.0)
+        zeros = lambda: {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+        for T in row_lengths:
+            batch = {k: self._global(v) for k, v in pack([], int(T)).as_dict().items()}
+            jax.block_until_ready(self._mb_step(self.shards, zeros(), batch, ntok))
+        # the optimizer step too, on copies (it donates its inputs)
+        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
+        jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
+
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+        """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts.
+        `min_bucket`: bucketed row lengths (packing.bucket), the same on all ranks per step."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
-        return self.train_minibatch(microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts())),
-                                    plan_global_tokens(plan))
+        mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
+                               lockstep=True)
+        res = self.train_minibatch(mbs, plan_global_tokens(plan))
+        res.ran = list(plan.ranks[self.rank])
+        return res
 
     def local_shards(self) -> dict[str, np.ndarray]:
         return {n: np.asarray(a.addressable_data(0)) for n, a in self.shards.items()}
@@ -341,9 +416,11 @@ class OdcTrainer:
         self._mb_step = jax.jit(lambda s, b, n, v: grad_fn(s, b, n, v))
 
         def reduce_fn(version):
+            # An ordered io_callback: the exchange has side effects and every rank must make the
+            # same calls in the same order, so XLA may neither merge, drop nor reorder them.
             def f(x):
                 cb = lambda v, y: np.float32(np.sum(runtime.allgather_scalar(int(v), float(y))))
-                return jax.pure_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x)
+                return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
         self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
@@ -376,20 +453,62 @@ class OdcTrainer:
         self.version = v + 1
         return res
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray]) -> StepResult:
-        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue."""
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue.
+        `min_bucket`: each microbatch packed to its own bucket (packing.bucket)."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
+        ran: list[tuple[int, ...]] = []
         if plan.balance == "lb_steal":
             own = plan.static(self.rank)
-            mbs = (pack([samples[i] for i in mb], plan.max_tokens).as_dict()
-                   for mb in itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version)))
+            claims = itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version))
         else:
-            mbs = microbatches_for(plan, self.rank, samples)
-        return self.train_minibatch(mbs, plan_global_tokens(plan))
+            claims = iter(plan.ranks[self.rank])
+
+        def packed():
+            for mb in claims:
+                ran.append(mb)
+                T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
+                yield pack([samples[i] for i in mb], T).as_dict()
+
+        res = self.train_minibatch(packed(), plan_global_tokens(plan))
+        res.ran = ran
+        return res
 
     def local_shards(self) -> dict[str, np.ndarray]:
         return {n: np.asarray(a) for n, a in self.shards.items()}
+
+
+def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,
+               cost=None, progress: bool = False, estimate_busy: bool = False,
+               min_bucket: int | None = None) -> list:
+    """Run `trainer` (collective or ODC) over global minibatches (each a sequence of indices into
+    `samples`, the same on every rank), planning each with `balance`. Returns this rank's
+    metrics.MinibatchRecord list. `estimate_busy` (collective): set each record's busy time to
+    the cost model's prediction (cost in seconds, e.g. from calibrate(ReferenceTrainer.timing_fn))
+    plus the optimizer time, because the measured microbatch intervals include collective waits.
+    `min_bucket`: bucketed microbatch shapes (packing.bucket), so compute follows the content."""
+    from jaxodc.train.balance import make_plan
+    from jaxodc.train.cost import CostModel
+    from jaxodc.train.metrics import MinibatchRecord, Progress
+    cost = cost or CostModel()
+    if trainer.comm == "collective" and balance == "lb_steal":
+        raise ValueError("lb_steal claims microbatches at run time; it needs comm='odc'")
+    batches = [list(map(int, b)) for b in minibatch_indices]
+    bar = Progress(len(batches), f"{trainer.comm}+{balance}", enabled=progress and trainer.rank == 0)
+    records = []
+    for idx in batches:
+        sub = [samples[i] for i in idx]
+        plan = make_plan(balance, [len(x) for x in sub], trainer.world, max_tokens, cost)
+        res = trainer.train_plan(plan, sub, min_bucket=min_bucket)
+        mine = [i for mb in res.ran for i in mb]
+        rec = MinibatchRecord.from_result(res, trainer.rank, len(mine), sum(plan.lengths[i] for i in mine),
+                                          trainer.comm, balance)
+        if estimate_busy:
+            rec.busy_s = sum(cost.microbatch([plan.lengths[i] for i in mb]) for mb in res.ran) + (res.opt[1] - res.opt[0])
+        records.append(rec)
+        bar.update(loss=res.loss)
+    return records
 
 
 def make_trainer(model, optimizer: optax.GradientTransformation, params: dict, comm: str = "collective",

@@ -67,6 +67,19 @@ def pack(samples: Sequence[np.ndarray], max_tokens: int, rows: int = 1) -> Packe
     return Packed(tok, tgt, seg, pos, mask)
 
 
+def bucket(tokens: int, max_tokens: int, min_bucket: int = 64) -> int:
+    """Row length for a microbatch of `tokens` tokens: the smallest min_bucket * 2^k that holds
+    them, capped at max_tokens. Dense attention costs ~T^2 whatever the fill, so a microbatch
+    padded to max_tokens costs as much as a full one; buckets make compute follow the content
+    with few distinct shapes (one compiled step each)."""
+    if tokens > max_tokens:
+        raise ValueError(f"{tokens} tokens do not fit max_tokens={max_tokens}")
+    b = max(1, min(min_bucket, max_tokens))
+    while b < tokens:
+        b *= 2
+    return min(b, max_tokens)
+
+
 def empty(max_tokens: int, rows: int = 1) -> Packed:
     """An all-padding microbatch (zero loss, zero gradient): fills a missing microbatch step."""
     return pack([], max_tokens, rows)

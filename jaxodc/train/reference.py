@@ -47,17 +47,19 @@ class ReferenceTrainer:
         self.apply(g)
         return loss
 
-    def timing_fn(self, max_tokens: int, seed: int = 0):
+    def timing_fn(self, max_tokens: int, seed: int = 0, min_bucket: int | None = None):
         """step_fn for cost.calibrate: item (a length or a list of lengths) -> one packed microbatch
         of random tokens, forward + backward on this process alone, blocking. Pure compute with no
-        communication: what a rank's busy time is when collectives' waits are taken out."""
-        from jaxodc.train.packing import pack
+        communication: what a rank's busy time is when collectives' waits are taken out. Use the
+        same `min_bucket` as training: without buckets every microbatch costs a full max_tokens row."""
+        from jaxodc.train.packing import bucket, pack
         rng = np.random.default_rng(seed)
         vocab = getattr(getattr(self.model, "cfg", None), "vocab", 256)
 
         def step(item):
             ls = [int(item)] if np.isscalar(item) else [int(x) for x in item]
-            b = pack([rng.integers(0, vocab, size=L).astype(np.int32) for L in ls], max_tokens).as_dict()
+            T = max_tokens if min_bucket is None else bucket(sum(ls), max_tokens, min_bucket)
+            b = pack([rng.integers(0, vocab, size=L).astype(np.int32) for L in ls], T).as_dict()
             jax.block_until_ready(self._grad(self.params, b, jnp.float32(1.0)))
 
         return step

@@ -80,7 +80,8 @@ def _path_str(path) -> str:
 def make_layout(params: Mapping[str, Any], world: int, order: Sequence[str] | None = None,
                 align: int = 1) -> Layout:
     """One unit per top-level key of `params` (in `order`, default: dict order). Kp is a multiple
-    of world * align."""
+    of world * align. Leaves may be arrays or jax.ShapeDtypeStruct (e.g. from jax.eval_shape), so
+    a layout needs no materialised parameters."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     order = list(order if order is not None else params.keys())
@@ -94,7 +95,7 @@ def make_layout(params: Mapping[str, Any], world: int, order: Sequence[str] | No
             raise ValueError(f"unit {name!r} has no parameters")
         paths = tuple(_path_str(p) for p, _ in flat)
         shapes = tuple(tuple(int(d) for d in np.shape(x)) for _, x in flat)
-        dtypes = tuple(str(jnp.asarray(x).dtype) for _, x in flat)
+        dtypes = tuple(str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype) for _, x in flat)
         K = int(sum(math.prod(s) for s in shapes))
         m = world * align
         units.append(UnitSpec(name, i, paths, shapes, dtypes, treedef, K, -(-K // m) * m, world))
