@@ -64,6 +64,17 @@ def _cudart_static(root):
 
 
 class BuildExt(build_ext):
+    def copy_file(self, src, dst, *args, **kwargs):
+        """In-place builds replace the extension by rename: rewriting the file that running
+        processes have mapped would crash them."""
+        if not dst.endswith((".so", ".pyd")):
+            return super().copy_file(src, dst, *args, **kwargs)
+        tmp = f"{dst}.tmp{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        shutil.copymode(src, tmp)
+        os.replace(tmp, dst)
+        return dst, True
+
     def build_extensions(self):
         nvcc, cuda_root = find_cuda()
         ext = self.extensions[0]
