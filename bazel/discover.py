@@ -1,9 +1,9 @@
 """Prints, as JSON, where the build's Python-side inputs live for the interpreter running it.
 
-Run by the `jaxodc_configure` repository rule (bazel/configure.bzl). CUDA discovery mirrors
-setup.py's find_cuda(): JAXODC_CUDA=0 disables, =1 requires; candidates are $CUDA_HOME/bin/nvcc,
-nvcc on PATH, /usr/local/cuda/bin/nvcc, then the pip wheel's nvidia/cu13/bin/nvcc; the first one
-whose root has libcudart_static.a wins.
+Run by the `jaxodc_configure` repository rule (bazel/configure.bzl) and imported by setup.py, so
+both builds find the same inputs. CUDA: JAXODC_CUDA=0 disables, =1 requires; candidates are
+$CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc, then the pip wheel's
+nvidia/cu13/bin/nvcc; the first one whose root has libcudart_static.a wins.
 """
 import glob
 import json
@@ -52,7 +52,8 @@ def find_cuda():
     return None
 
 
-def main():
+def build_inputs():
+    """Everything but CUDA: the dict main() prints (fails with a message when something is missing)."""
     try:
         import nanobind
     except ImportError:
@@ -75,13 +76,16 @@ def main():
         "robin_map_include": os.path.join(os.path.dirname(nb_src), "ext", "robin_map", "include"),
         "ffi_include": jax.ffi.include_dir(),
         "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
-        "cuda": find_cuda(),
         "cuda_archs": os.environ.get("JAXODC_CUDA_ARCHS", "80;90"),
     }
     for key in ("nanobind_include", "nb_combined", "robin_map_include", "ffi_include"):
         if not os.path.exists(info[key]):
             fail("%s not found at %s" % (key, info[key]))
-    print(json.dumps(info))
+    return info
+
+
+def main():
+    print(json.dumps(dict(build_inputs(), cuda=find_cuda())))
 
 
 if __name__ == "__main__":

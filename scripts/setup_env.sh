@@ -32,7 +32,7 @@ if ! cmp -s "$REQS" "$STAMP" 2>/dev/null; then
 fi
 
 # Native extension: rebuilt when any source or the build script changed.
-SRC_HASH=$(cd "$ROOT" && find csrc setup.py -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'setup.py' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+SRC_HASH=$(cd "$ROOT" && find csrc setup.py bazel/discover.py -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'setup.py' -o -name 'discover.py' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 BUILD_STAMP="$VENV/.jaxodc-build"
 if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$SRC_HASH" ] || ! ls "$ROOT"/jaxodc/_C*.so >/dev/null 2>&1; then
   echo "jaxodc setup: building the native extension"
