@@ -6,10 +6,15 @@ numpy. The ring (csrc/ring/ring.h) splits the flat buffer into W chunks at floor
 starts at ring rank c and is summed along the ring, ((x_c + x_{c+1}) + ...) + x_{c-1}, then
 divided by W once; all peers receive those bits. Matching that order makes the reference equal
 every element exactly, not just approximately."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+ADAM = optax.adam(1e-2)   # inner optimizer objects shared by peers and references (one compile each)
+SGD = optax.sgd(0.1)
 
 SHAPES = {"b1": (8,), "b2": (3,), "w1": (6, 8), "w2": (8, 3)}   # 83 floats: chunks 27/28/28 at W=3
 
@@ -60,6 +65,7 @@ def ring_avg(xs):
     return out
 
 
+@functools.lru_cache(maxsize=None)   # one compilation per optimizer object across tests
 def make_inner(inner_opt):
     @jax.jit
     def step(p, s, b):
