@@ -184,6 +184,40 @@ def test_outer_transformations_are_optax(svc):
         close_all(comms)
 
 
+def test_quantized_transfer_and_periodic_async_sync(svc):
+    """uint16 pseudo-gradients with async DiLoCo syncing every outer step (each sync first
+    completes the in-flight all-reduce): peers stay bit-identical, every sync moves 0 bytes, and
+    θ_global stays within the quantisation error of the exact reference."""
+    n, H, T = 3, 2, 3
+    comms = make_group(svc.address, n)
+    try:
+        dls = [DiLoCo(c, U.ADAM, _outer(), H, loss_fn=U.loss_fn, asynchronous=True, sync_every=1,
+                      quantize="uint16").init(U.init_params()) for c in comms]
+        hashes = run_threads([lambda dl=dl, c=c: _train(dl, c.rank, T, H) for dl, c in zip(dls, comms)])
+        _assert_same_on_all(dls, hashes)
+        assert all(dl.revision == T - 1 and dl.last_sync.bytes_received == 0 for dl in dls)
+        theta, _, _ = U.reference(U.init_params(), U.ADAM, LR, MOM, H, T, [[0, 1, 2]] * T, delayed=True)
+        got = U.flat(dls[0].global_params)
+        moved = np.abs(theta - U.flat(U.init_params())).max()
+        assert np.abs(got - theta).max() < 1e-3 * moved and not np.array_equal(got, theta)
+    finally:
+        close_all(comms)
+
+
+def test_first_peer_founds_group_through_driver(svc):
+    """A peer that is not accepted yet and finds itself alone founds the group (its state is
+    kept; a receive_only sync would have no source) and trains as a world of one."""
+    c = Communicator(svc.address, secret=SECRET, timeout_s=30, heartbeat_s=0.2).connect()
+    try:
+        dl = DiLoCo(c, U.ADAM, _outer(), 2, loss_fn=U.loss_fn).init(U.init_params())
+        _train(dl, 0, 2, 2)
+        assert c.world_size == 1 and dl.revision == 1 and dl.reducer.worlds == [1, 1]
+        theta, _, _ = U.reference(U.init_params(), U.ADAM, LR, MOM, 2, 2, [[0]] * 2)
+        assert np.array_equal(U.flat(dl.global_params), theta)
+    finally:
+        c.close()
+
+
 def _spawn(master, npeers, mode, T, H, victim_at):
     return subprocess.Popen([sys.executable, os.path.join(HERE, "diloco_peer.py"), master, SECRET.decode(),
                              str(npeers), mode, str(T), str(H), str(victim_at)], cwd=ROOT,

@@ -58,8 +58,9 @@ many newcomers arrive at once. Accepted peers check ``are_peers_pending()`` at e
 ``begin_outer`` (the answer is the same on every peer); when peers wait they admit them with
 ``update_topology`` and sync (``enforce_popular``; the revision check also keeps newcomers out of
 the vote). Every peer then resets θ_local ← θ_global; newcomers start a fresh inner optimizer state
-(it is local, not shared). A founding group is formed before DiLoCo starts (the first peer is
-accepted at once; later ones may join through the driver as newcomers).
+(it is local, not shared). A peer that finds itself alone after its first ``update_topology``
+founds the group and keeps its own state; so peers may simply be started one after another, or a
+founding group may be formed before DiLoCo starts (all with the same initial parameters).
 
 Synchronous DiLoCo (Algorithm 2 of the PCCL report) also syncs at the start of every
 ``sync_every``-th outer iteration (default 1): a no-op (0 bytes) when all peers advanced
@@ -467,7 +468,8 @@ class DiLoCo:
         strategy = None
         if not comm.accepted:  # a newcomer: blocks until the group votes it in
             comm.update_topology()
-            strategy = "receive_only"
+            # alone in the group: it founds it, and its state is the one to keep
+            strategy = "receive_only" if comm.world_size > 1 else "enforce_popular"
         elif comm.are_peers_pending():
             if self.reducer.pending:
                 self.reducer.wait_pending()  # major operations never overlap collectives
