@@ -296,7 +296,7 @@ class CollectiveTrainer:
         the whole minibatch over all ranks."""
         mbs = list(microbatches)
         if check:
-            shapes = repr([tuple(np.shape(mb["tokens"])) for mb in mbs]).encode()
+            shapes = repr([sorted((k, np.shape(v)) for k, v in mb.items()) for mb in mbs]).encode()
             self._check_same(["microbatch count (collective needs equal counts; pad with packing.empty)",
                               "microbatch shapes (collective steps need one shape per step on all ranks)"],
                              [len(mbs), zlib.crc32(shapes) & 0x7FFFFFFF])
