@@ -296,7 +296,7 @@ class CollectiveTrainer:
         the whole minibatch over all ranks."""
         mbs = list(microbatches)
         if check:
-            shapes = repr([tuple(np.shape(mb["tokens"])) for mb in mbs]).encode()
+            shapes = repr([sorted((k, np.shape(v)) for k, v in mb.items()) for mb in mbs]).encode()
             self._check_same(["microbatch count (collective needs equal counts; pad with packing.empty)",
                               "microbatch shapes (collective steps need one shape per step on all ranks)"],
                              [len(mbs), zlib.crc32(shapes) & 0x7FFFFFFF])
@@ -350,6 +350,27 @@ class CollectiveTrainer:
 
     def local_opt_state(self):
         return jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), self.opt_state)
+
+    def load_local_state(self, shards: dict, opt_state, version: int) -> None:
+        """Replace this rank's shards and optimizer state (local numpy values, the structure of
+        local_shards() / local_opt_state()) and the step counter; every rank calls it together
+        (checkpoint.restore does)."""
+        self.shards = {n: self._global(np.asarray(shards[n], np.float32)) for n in self.layout.names}
+        self.opt_state = jax.tree_util.tree_map(
+            lambda cur, x: jax.make_array_from_process_local_data(cur.sharding, np.asarray(x, cur.dtype), cur.shape),
+            self.opt_state, opt_state)
+        self.version = int(version)
+
+    def save(self, path: str) -> str:
+        """Checkpoint (jaxodc.train.checkpoint); every rank calls it together."""
+        from jaxodc.train.checkpoint import save
+        return save(self, path)
+
+    def restore(self, path: str) -> int:
+        """Load a checkpoint saved by a trainer of the same world, layout and optimizer-state
+        structure (jaxodc.train.checkpoint); returns the restored step."""
+        from jaxodc.train.checkpoint import restore
+        return restore(self, path)
 
 
 # --------------------------------------------------------------------------- ODC hook
@@ -425,14 +446,17 @@ class OdcTrainer:
 
         self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
         self.version = 0
+        # Runtime versions count minibatches of this runtime; after restore the trainer's step
+        # (self.version) runs ahead of them by this offset (see load_local_state).
+        self._rt_base = 0
         for u in self.layout.units:
             runtime.publish(u.index, np.asarray(self.shards[u.name]), 0)
 
     def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
-        v = self.version
+        step, v = self.version, self.version - self._rt_base  # v: runtime version
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
-        res = StepResult(v, 0.0, time.perf_counter(), 0.0)
+        res = StepResult(step, 0.0, time.perf_counter(), 0.0)
         ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
         loss = 0.0
         for mb in microbatches:
@@ -450,7 +474,7 @@ class OdcTrainer:
         res.opt = (t0, time.perf_counter())
         res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
         res.t_end = time.perf_counter()
-        self.version = v + 1
+        self.version = step + 1
         return res
 
     def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
@@ -461,7 +485,7 @@ class OdcTrainer:
         ran: list[tuple[int, ...]] = []
         if plan.balance == "lb_steal":
             own = plan.static(self.rank)
-            claims = itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version))
+            claims = itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version - self._rt_base))
         else:
             claims = iter(plan.ranks[self.rank])
 
@@ -477,6 +501,49 @@ class OdcTrainer:
 
     def local_shards(self) -> dict[str, np.ndarray]:
         return {n: np.asarray(a) for n, a in self.shards.items()}
+
+    def local_opt_state(self):
+        return jax.tree_util.tree_map(np.asarray, self.opt_state)
+
+    def allgather_ints(self, xs: Sequence[int]) -> np.ndarray:
+        """Every rank's ints as an int64 array [W, len(xs)] (runtime scalar exchange; exact
+        below 2**53). Every rank must make the same calls in the same order."""
+        rv = self.version - self._rt_base
+        return np.array([[int(y) for y in self.rt.allgather_scalar(rv, float(x))] for x in xs],
+                        np.int64).T.reshape(self.world, len(xs))
+
+    def load_local_state(self, shards: dict, opt_state, version: int) -> None:
+        """Replace this rank's shards, optimizer state and step, and publish the shards so
+        gathers of the restored step read them. Every rank calls it together, between
+        minibatches: it closes the runtime's current minibatch with no pushes (done ->
+        wait_complete) and publishes at the next runtime version, which becomes the runtime
+        version of step `version` (runtime versions only move forward)."""
+        rv = self.version - self._rt_base
+        self.shards = {n: jnp.asarray(np.asarray(shards[n], np.float32)) for n in self.layout.names}
+        self.opt_state = jax.tree_util.tree_map(lambda cur, x: jnp.asarray(np.asarray(x, cur.dtype)),
+                                                self.opt_state, opt_state)
+        self.rt.done(rv)
+        self.rt.wait_complete(rv)
+        for u in self.layout.units:
+            g = np.asarray(self.rt.fetch_grad(u.index))
+            if np.any(g != 0):
+                raise RuntimeError(f"rank {self.rank}: unit {u.name!r} received gradients for minibatch {rv} "
+                                   "while restoring; every rank must restore between minibatches, together")
+        for u in self.layout.units:
+            self.rt.publish(u.index, np.asarray(self.shards[u.name]), rv + 1)
+        self.version = int(version)
+        self._rt_base = self.version - (rv + 1)
+
+    def save(self, path: str) -> str:
+        """Checkpoint (jaxodc.train.checkpoint); every rank calls it together."""
+        from jaxodc.train.checkpoint import save
+        return save(self, path)
+
+    def restore(self, path: str) -> int:
+        """Load a checkpoint (jaxodc.train.checkpoint) and republish the shards at the restored
+        step; returns it."""
+        from jaxodc.train.checkpoint import restore
+        return restore(self, path)
 
 
 def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,

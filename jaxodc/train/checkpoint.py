@@ -1,0 +1,288 @@
+"""Checkpoints of the sharded trainers (CollectiveTrainer, OdcTrainer): every rank's fp32
+parameter shards and optimizer state, one file per rank plus a manifest.
+
+Format (version 1). A checkpoint is a directory DIR:
+
+    DIR/manifest.json               the commit point, the same on every rank
+    DIR/rank<r>-<tag>.msgpack       rank r's state of the save `tag`
+
+manifest.json::
+
+    {"format": "jaxodc.checkpoint", "version": 1, "tag": "<step>-<random>", "step": k,
+     "world": W, "comm": "odc" | "collective", "layout_fingerprint": "<units.Layout.fingerprint>",
+     "units": [{"name", "numel", "padded", "shard"}, ...],              # layout order
+     "opt_state": {"treedef": "<str of the local state's jax treedef>",
+                   "leaves": [[shape, dtype], ...]},                     # this rank's local leaves
+     "files": [{"rank": r, "file": "rank<r>-<tag>.msgpack", "bytes": n, "crc32": c}, ...]}
+
+rank<r>-<tag>.msgpack, a msgpack map::
+
+    {"format": "jaxodc.checkpoint.rank", "version": 1, "tag", "rank", "world", "step",
+     "shards": {unit name: fp32 little-endian bytes of the rank's shard (UnitSpec.shard elements)},
+     "opt_state": [bytes of each local optimizer-state leaf, jax tree order, dtype/shape as in
+                   the manifest]}
+
+The optimizer state is stored as each rank sees it locally (shard-shaped moments, replicated
+scalars such as adam's count), which is the same for both comm modes, so a checkpoint of one mode
+restores into the other.
+
+Atomicity: each file is written to a temporary name, fsynced and renamed (os.replace). A save
+writes all rank files under a fresh tag, then the manifest (the commit), and only after every rank
+committed removes the previous tag's files; a crash at any point leaves the previous checkpoint
+(or the new one) complete. Every rank writes the manifest, so DIR need not be on a shared
+filesystem: each host gets the manifest and its own ranks' files.
+
+Every rank calls save / restore together (they exchange a few integers through the trainer's
+`allgather_ints`). restore checks world size, layout, optimizer-state structure, tag and checksums
+on every rank before changing anything and, if any rank refuses, raises on every rank (naming
+what differs and the rank) instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import secrets
+import zlib
+
+import jax
+import msgpack
+import numpy as np
+
+FORMAT, VERSION = "jaxodc.checkpoint", 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored into this trainer (or is damaged)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _opt_description(opt_state) -> dict:
+    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    return {"treedef": str(treedef),
+            "leaves": [[list(np.shape(x)), np.dtype(np.asarray(x).dtype).str] for x in leaves]}
+
+
+def _units(layout) -> list[dict]:
+    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard} for u in layout.units]
+
+
+def _rank_file(rank: int, tag: str) -> str:
+    return f"rank{rank}-{tag}.msgpack"
+
+
+def _split16(x: int) -> list[int]:
+    """Non-negative int < 2**64 as four 16-bit ints (allgather_ints may carry int32 only)."""
+    return [(x >> s) & 0xFFFF for s in (48, 32, 16, 0)]
+
+
+def _join16(xs) -> int:
+    out = 0
+    for x in xs:
+        out = (out << 16) | int(x)
+    return out
+
+
+def _agree(trainer, error: str | None, extra: list[int], what: str) -> np.ndarray:
+    """Exchange (ok flag + `extra`) with every rank; if any rank has an error, raise on all of
+    them: the failing ranks with their own message, the others naming the failing ranks."""
+    got = trainer.allgather_ints([0 if error is None else 1] + list(extra))
+    bad = [r for r in range(got.shape[0]) if got[r, 0]]
+    if error is not None:
+        raise CheckpointError(error)
+    if bad:
+        raise CheckpointError(f"rank {trainer.rank}: {what} failed on rank(s) {bad} (see their errors); "
+                              "nothing was changed")
+    return got[:, 1:]
+
+
+# --------------------------------------------------------------------------- save
+
+def save(trainer, path: str) -> str:
+    """Write `trainer`'s checkpoint into directory `path` (created if needed); returns the
+    manifest path. Collective over ranks: every rank calls it at the same step."""
+    os.makedirs(path, exist_ok=True)
+    rank, world, step = trainer.rank, trainer.world, int(trainer.version)
+    shards = trainer.local_shards()
+    opt_state = trainer.local_opt_state()
+    opt_leaves = jax.tree_util.tree_leaves(opt_state)
+    # One tag for all ranks: rank 0's random id (and every rank must be at the same step).
+    got = trainer.allgather_ints([step, secrets.randbits(30)])
+    steps = got[:, 0].tolist()
+    if len(set(steps)) != 1:
+        raise CheckpointError(f"rank {rank}: ranks are at different steps, cannot save one checkpoint: "
+                              + ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps)))
+    tag = f"{step:08d}-{int(got[0, 1]):08x}"
+    blob = msgpack.packb({
+        "format": FORMAT + ".rank", "version": VERSION, "tag": tag, "rank": rank, "world": world, "step": step,
+        "shards": {n: np.ascontiguousarray(shards[n], "<f4").tobytes() for n in trainer.layout.names},
+        "opt_state": [np.ascontiguousarray(x).tobytes() for x in opt_leaves],
+    })
+    fname = _rank_file(rank, tag)
+    err = None
+    try:
+        _write_atomic(os.path.join(path, fname), blob)
+    except OSError as e:
+        err = f"rank {rank}: cannot write checkpoint file {os.path.join(path, fname)}: {e}"
+    crc = zlib.crc32(blob)
+    meta = _agree(trainer, err, _split16(len(blob)) + _split16(crc), "writing the checkpoint")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "tag": tag, "step": step, "world": world,
+        "comm": getattr(trainer, "comm", ""), "layout_fingerprint": trainer.layout.fingerprint(),
+        "units": _units(trainer.layout), "opt_state": _opt_description(opt_state),
+        "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": _join16(meta[r, :4]),
+                   "crc32": _join16(meta[r, 4:])} for r in range(world)],
+    }
+    mpath = os.path.join(path, MANIFEST)
+    err = None
+    try:
+        _write_atomic(mpath, json.dumps(manifest, indent=1).encode())
+    except OSError as e:
+        err = f"rank {rank}: cannot write {mpath}: {e}"
+    _agree(trainer, err, [], "committing the checkpoint")
+    # Everyone committed: the previous save's files of this rank are no longer referenced.
+    for old in glob.glob(os.path.join(glob.escape(path), f"rank{rank}-*.msgpack*")):
+        if os.path.basename(old) != fname:
+            try:
+                os.unlink(old)
+            except FileNotFoundError:
+                pass
+    return mpath
+
+
+# --------------------------------------------------------------------------- restore
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path} ({MANIFEST} missing)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{mpath}: unreadable checkpoint manifest ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: not a jaxodc checkpoint manifest")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"{mpath}: checkpoint format version {m.get('version')}, this jaxodc reads {VERSION}")
+    return m
+
+
+def exists(path: str) -> bool:
+    """True iff `path` holds a committed checkpoint manifest."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _layout_difference(saved: list[dict], mine: list[dict]) -> str | None:
+    if len(saved) != len(mine):
+        return (f"the checkpoint has {len(saved)} units {[u['name'] for u in saved]}, "
+                f"this trainer {len(mine)} {[u['name'] for u in mine]}")
+    for i, (a, b) in enumerate(zip(saved, mine)):
+        for k in ("name", "numel", "padded", "shard"):
+            if a.get(k) != b[k]:
+                return (f"unit {i} ({b['name']!r}): {k} is {a.get(k)!r} in the checkpoint, "
+                        f"{b[k]!r} in this trainer")
+    return None
+
+
+def _opt_difference(saved: dict, mine: dict) -> str | None:
+    if saved.get("treedef") != mine["treedef"]:
+        return (f"optimizer-state structure differs: checkpoint {saved.get('treedef')}, "
+                f"this trainer {mine['treedef']}")
+    s, m = saved.get("leaves", []), mine["leaves"]
+    if len(s) != len(m):
+        return f"optimizer state has {len(s)} leaves in the checkpoint, {len(m)} in this trainer"
+    for i, (a, b) in enumerate(zip(s, m)):
+        if list(a[0]) != list(b[0]) or a[1] != b[1]:
+            return (f"optimizer-state leaf {i}: shape/dtype {tuple(a[0])} {a[1]} in the checkpoint, "
+                    f"{tuple(b[0])} {b[1]} in this trainer")
+    return None
+
+
+def _load_rank(trainer, path: str):
+    """This rank's checks and payload; raises CheckpointError naming what differs."""
+    rank, world = trainer.rank, trainer.world
+    m = read_manifest(path)
+    where = f"rank {rank}: checkpoint {path}"
+    if m.get("world") != world:
+        raise CheckpointError(f"{where} was saved by {m.get('world')} ranks; this trainer has world {world}")
+    diff = _layout_difference(m.get("units", []), _units(trainer.layout))
+    if diff is None and m.get("layout_fingerprint") != trainer.layout.fingerprint():
+        diff = (f"layout fingerprint {m.get('layout_fingerprint')} in the checkpoint, "
+                f"{trainer.layout.fingerprint()} in this trainer (leaf paths, shapes or dtypes differ)")
+    if diff is not None:
+        raise CheckpointError(f"{where}: parameter layout differs: {diff}")
+    mine = _opt_description(trainer.local_opt_state())
+    diff = _opt_difference(m.get("opt_state", {}), mine)
+    if diff is not None:
+        raise CheckpointError(f"{where}: {diff}")
+    entry = next((f for f in m.get("files", []) if f.get("rank") == rank), None)
+    if entry is None:
+        raise CheckpointError(f"{where}: the manifest lists no file for rank {rank}")
+    fpath = os.path.join(path, entry["file"])
+    try:
+        with open(fpath, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read {fpath}: {e}") from None
+    if len(blob) != entry["bytes"] or zlib.crc32(blob) != entry["crc32"]:
+        raise CheckpointError(f"{where}: {fpath} is damaged ({len(blob)} bytes, crc32 {zlib.crc32(blob):08x}; "
+                              f"the manifest says {entry['bytes']} bytes, crc32 {entry['crc32']:08x})")
+    d = msgpack.unpackb(blob)
+    if (d.get("tag"), d.get("rank"), d.get("world")) != (m["tag"], rank, world):
+        raise CheckpointError(f"{where}: {fpath} belongs to save {d.get('tag')} of rank {d.get('rank')}, "
+                              f"the manifest to save {m['tag']}")
+    shards = {}
+    for u in trainer.layout.units:
+        x = np.frombuffer(d["shards"][u.name], "<f4")
+        if x.shape != (u.shard,):
+            raise CheckpointError(f"{where}: unit {u.name!r} shard has {x.size} elements, expected {u.shard}")
+        shards[u.name] = x.astype(np.float32)
+    leaves = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
+              for b, (shape, dt) in zip(d["opt_state"], mine["leaves"])]
+    treedef = jax.tree_util.tree_structure(trainer.local_opt_state())
+    return int(m["step"]), m["tag"], shards, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def restore(trainer, path: str) -> int:
+    """Load the checkpoint in directory `path` into `trainer` (same world size, layout and
+    optimizer-state structure) and set its step; returns the step. Collective over ranks."""
+    err, payload = None, None
+    try:
+        payload = _load_rank(trainer, path)
+    except CheckpointError as e:
+        err = str(e)
+    tag_id = int(payload[1].split("-")[1], 16) if payload else 0
+    got = _agree(trainer, err, [payload[0] if payload else 0, tag_id], f"restoring checkpoint {path}")
+    if len({(int(a), int(b)) for a, b in got}) != 1:
+        raise CheckpointError(f"rank {trainer.rank}: ranks read different saves of {path}: "
+                              + ", ".join(f"rank {r}: step {int(a)} id {int(b):08x}" for r, (a, b) in enumerate(got)))
+    step, _, shards, opt_state = payload
+    trainer.load_local_state(shards, opt_state, step)
+    return step

@@ -1,0 +1,309 @@
+"""`jaxodc train`: train the small decoder LM (models/lm.py) with the sharded trainer on local
+ranks, and print loss, throughput and bubble rate per run.
+
+    jaxodc train --ranks 2 --comm odc --balance lb_mini --steps 20 --minibatch 4 --max-tokens 256
+    jaxodc train --comm collective,odc --balance lb_micro,lb_mini --timeline out.png   # compare
+    jaxodc train --checkpoint ckpt --save-every 5 ... ; jaxodc train --checkpoint ckpt --resume ...
+
+Without `jaxodc launch` around it, the command starts --ranks local rank processes itself (one
+compute thread each) and reports when they finish; started by `jaxodc launch -n N -m
+jaxodc.train.cli ...` (or SLURM), every process is a rank and rank 0 reports.
+
+Data: --preset (long-tailed sample lengths of byte-level stdlib text, the default), --lengths FILE
+(your lengths, same text) or --data FILE.jsonl ({"text": ...} per line). Minibatches come from a
+seeded shuffled stream, so --resume continues with the minibatch after the checkpoint's step;
+--steps counts all minibatches, resumed ones included. The first --warmup minibatches of each run
+(compilation) are left out of the throughput figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+BALANCE_NAMES = {"lb_mini": "LB-Mini", "lb_micro": "LB-Micro", "lb_steal": "LB-Steal", "local_sort": "LocalSort"}
+COLLECTIVE_NOTE = ("(collective microbatch intervals include time blocked inside all_gather / psum_scatter, so its\n"
+                   " measured bubble is a lower bound; ODC ranks block only on owners' publications)")
+TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
+
+
+def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train the small LM with the sharded trainer.")
+    a = p.add_argument
+    a("--ranks", type=int, default=2, help="local ranks to start (ignored under jaxodc launch)")
+    a("--comm", default="odc", help="odc, collective, or a comma list to compare runs")
+    a("--balance", default=None, help="local_sort, lb_micro, lb_mini or lb_steal (comma list per run); "
+                                      "default lb_mini for odc, lb_micro for collective")
+    a("--steps", type=int, default=10, help="minibatches in total (a resumed run continues up to it)")
+    a("--warmup", type=int, default=1, help="minibatches of this invocation left out of throughput")
+    a("--minibatch", type=int, default=4, help="samples per rank per minibatch")
+    a("--max-tokens", type=int, default=256, help="tokens per packed microbatch (the memory bound)")
+    a("--min-bucket", type=int, default=0, help="bucketed microbatch row lengths from this size (0: off)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="sample-length preset: longalign (default), swe, aime")
+    src.add_argument("--lengths", metavar="FILE", help="file of sample lengths (stdlib text)")
+    src.add_argument("--data", metavar="FILE.jsonl", help='jsonl file, one {"text": ...} per line')
+    a("--samples", type=int, default=0, help="samples to draw from --preset (default ranks*minibatch*steps)")
+    a("--d-model", type=int, default=64)
+    a("--layers", type=int, default=2)
+    a("--heads", type=int, default=4)
+    a("--lr", type=float, default=3e-3, help="adam learning rate")
+    a("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
+    a("--seed", type=int, default=0, help="parameter init seed")
+    a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
+    a("--resume", action="store_true", help="restore from --checkpoint when it holds a checkpoint")
+    a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")
+    a("--timeline", metavar="PNG", help="per-rank Gantt chart of compute vs idle")
+    a("--json", metavar="PATH", help="write every rank's per-minibatch records here")
+    a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
+    a("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    a("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def runs_of(args) -> list[tuple[str, str]]:
+    """(comm, balance) per run from the comma lists (a single value applies to every run)."""
+    comms = [c.strip() for c in args.comm.split(",") if c.strip()]
+    bals = [b.strip() for b in args.balance.split(",") if b.strip()] if args.balance else []
+    n = max(len(comms), len(bals), 1)
+    if len(comms) not in (1, n) or len(bals) not in (0, 1, n):
+        raise ValueError(f"--comm has {len(comms)} values and --balance {len(bals)}; give one or the same number")
+    comms = comms * n if len(comms) == 1 else comms
+    bals = bals * n if len(bals) == 1 else bals
+    runs = [(c, bals[i] if bals else ("lb_mini" if c == "odc" else "lb_micro")) for i, c in enumerate(comms)]
+    from jaxodc.train.balance import BALANCERS
+    for c, b in runs:
+        if c not in ("odc", "collective"):
+            raise ValueError(f"unknown --comm {c!r}; choose odc or collective")
+        if b not in BALANCERS:
+            raise ValueError(f"unknown --balance {b!r}; choose one of {', '.join(BALANCERS)}")
+        if c == "collective" and b == "lb_steal":
+            raise ValueError("lb_steal claims microbatches at run time; it needs --comm odc")
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"runs repeat: {runs}")
+    return runs
+
+
+def run_name(comm: str, balance: str) -> str:
+    return f"{comm} + {balance}"
+
+
+def pretty(name: str) -> str:
+    comm, _, bal = name.partition(" + ")
+    return f"{'ODC' if comm == 'odc' else comm} + {BALANCE_NAMES.get(bal, bal)}"
+
+
+def check_args(args) -> None:
+    for k in ("ranks", "steps", "minibatch", "max_tokens"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.warmup < 0 or args.save_every < 0 or args.min_bucket < 0 or args.samples < 0:
+        raise ValueError("--warmup, --save-every, --min-bucket and --samples must be >= 0")
+    if args.resume and not args.checkpoint:
+        raise ValueError("--resume needs --checkpoint DIR")
+    if args.d_model % args.heads or (args.d_model // args.heads) % 2:
+        raise ValueError(f"--d-model {args.d_model} must split into --heads {args.heads} heads of even size")
+
+
+def load_samples(args, world: int):
+    """The run's samples (data.Samples); raises ValueError for unusable input."""
+    from jaxodc.train.data import Samples, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
+    if args.data:
+        samples = Samples(load_jsonl(args.data, max_len=args.max_tokens))
+    elif args.lengths:
+        lengths = load_lengths(args.lengths)
+        long = [(i, int(x)) for i, x in enumerate(lengths) if x > args.max_tokens]
+        if long:
+            raise ValueError(f"{args.lengths}: {len(long)} sample length(s) exceed --max-tokens {args.max_tokens} "
+                             f"(first: sample {long[0][0]}, length {long[0][1]}); raise --max-tokens or drop them")
+        short = [i for i, x in enumerate(lengths) if x < 2]
+        if short:
+            raise ValueError(f"{args.lengths}: sample {short[0]} has length 1; a sample needs >= 2 tokens")
+        samples = Samples.from_corpus(stdlib_corpus(), lengths, seed=2)
+    else:
+        n = args.samples or world * args.minibatch * args.steps
+        samples = synthetic_text(args.preset or "longalign", n, args.max_tokens, seed=1, min_len=min(8, args.max_tokens))
+    if len(samples) < world * args.minibatch:
+        raise ValueError(f"{len(samples)} samples cannot fill one minibatch of {args.minibatch} per rank x {world} ranks")
+    return samples
+
+
+def checkpoint_dir(args, run: tuple[str, str], n_runs: int) -> str | None:
+    if not args.checkpoint:
+        return None
+    return args.checkpoint if n_runs == 1 else os.path.join(args.checkpoint, f"{run[0]}-{run[1]}")
+
+
+# --------------------------------------------------------------------------- rank side
+
+def worker(args) -> dict | None:
+    """Train every run on this rank; returns {run name: every rank's records as dicts} on rank
+    0 (None elsewhere) and writes it to --json when given."""
+    from dataclasses import asdict
+
+    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+
+    runs = runs_of(args)
+    ctx = init_from_env()
+    try:
+        if any(c == "collective" for c, _ in runs):
+            init_jax_distributed(ctx)  # before jax creates its backends
+        samples = load_samples(args, ctx.world)
+        out = {run_name(*run): [asdict(r) for r in _train_run(args, ctx, samples, run, len(runs))] for run in runs}
+    except BaseException:
+        ctx.rendezvous.close()  # no final barrier: the other ranks may be stuck
+        if ctx.server is not None:
+            ctx.server.close()
+        raise
+    if ctx.rank == 0 and args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(args.json + ".tmp", args.json)
+    shutdown(ctx)
+    return out if ctx.rank == 0 else None
+
+
+def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
+    """One (comm, balance) run on this rank; returns every rank's timed records."""
+    import jax
+    import optax
+
+    from jaxodc.train import checkpoint
+    from jaxodc.train.api import Trainer
+    from jaxodc.train.collective import clip_by_global_norm
+    from jaxodc.train.cost import CostModel
+    from jaxodc.train.metrics import Progress
+    from models.lm import LM, LMConfig
+
+    comm, balance = run
+    model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
+    params = model.init(jax.random.PRNGKey(args.seed))
+    opt = optax.adam(args.lr)
+    if args.clip > 0:
+        opt = optax.chain(clip_by_global_norm(args.clip), opt)
+    say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
+    trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
+                      cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None)
+    with trainer:
+        ck = checkpoint_dir(args, run, n_runs)
+        if args.resume and checkpoint.exists(ck):
+            say(f"{comm:>10} + {balance:<8} resumed from {ck} at minibatch {trainer.restore(ck)}")
+        batches = trainer.minibatch_stream(len(samples), args.minibatch, args.steps, seed=2)
+        bar = Progress(len(batches), f"{comm}+{balance}", enabled=args.progress and ctx.rank == 0)
+        timed, saved = [], trainer.step
+        for i, idx in enumerate(batches):
+            rec = trainer.fit(samples.tokens, [idx])[0]
+            if i >= args.warmup:
+                timed.append(rec)
+            if args.progress:
+                bar.update(loss=rec.loss)
+            else:
+                say(f"{comm:>10} + {balance:<8} minibatch {rec.step}: loss {rec.loss:.4f}")
+            if ck and args.save_every and trainer.step % args.save_every == 0:
+                trainer.save(ck)
+                saved = trainer.step
+        if ck and saved != trainer.step:
+            trainer.save(ck)
+        if ck:
+            say(f"{comm:>10} + {balance:<8} checkpoint: {os.path.abspath(ck)} (minibatch {trainer.step})")
+        return trainer.gather_records(timed)
+
+
+# --------------------------------------------------------------------------- report
+
+def load_runs(path: str) -> dict:
+    from jaxodc.train.metrics import MinibatchRecord
+    with open(path) as f:
+        raw = json.load(f)
+    return {name: [MinibatchRecord(**{**r, "compute": [tuple(x) for x in r["compute"]],
+                                      "opt": tuple(r["opt"]) if r.get("opt") else None}) for r in recs]
+            for name, recs in raw.items()}
+
+
+def report(json_path: str, timeline: str | None, shown_json: str | None = None) -> None:
+    """Table of final loss, samples/s, tokens/s and bubble per run, the speed-up of the second
+    run over the first, and the timeline PNG."""
+    from jaxodc.train.metrics import summarize
+    runs = load_runs(json_path)
+    summaries = {name: summarize(recs) for name, recs in runs.items() if recs}
+    print()
+    print(f"{'mode':<24}{'final loss':>12}{'samples/s':>12}{'tokens/s':>12}{'bubble':>10}")
+    for name, s in summaries.items():
+        print(f"{name:<24}{s['loss']:>12.4f}{s['samples_per_s']:>12.2f}{s['tokens_per_s']:>12.0f}"
+              f"{s['bubble_rate']:>10.1%}")
+    for name in runs:
+        if not runs[name]:
+            print(f"{name:<24}  (no timed minibatches: raise --steps above --warmup)")
+    if any(name.startswith("collective") for name in summaries):
+        print(COLLECTIVE_NOTE)
+    names = list(summaries)
+    if len(names) == 2 and summaries[names[0]]["samples_per_s"] > 0:
+        base, other = summaries[names[0]], summaries[names[1]]
+        print(f"\n{pretty(names[1])} vs {pretty(names[0])}: {other['samples_per_s'] / base['samples_per_s']:.2f}x samples/s")
+    if timeline and summaries:
+        from jaxodc.train.timeline import draw
+        os.makedirs(os.path.dirname(os.path.abspath(timeline)), exist_ok=True)
+        path = draw({n: runs[n] for n in summaries}, timeline, title=TIMELINE_TITLE)
+        print(f"timeline: {os.path.abspath(path)}")
+    if shown_json:
+        print(f"records:  {os.path.abspath(shown_json)}")
+
+
+# --------------------------------------------------------------------------- entry point
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    launched = "JAXODC_RANK" in os.environ or "SLURM_PROCID" in os.environ
+    try:
+        check_args(args)
+        runs_of(args)
+        if not launched:
+            load_samples(args, args.ranks)  # bad input fails here, before any rank starts
+    except (ValueError, OSError) as e:
+        print(f"jaxodc train: {e}", file=sys.stderr)
+        return 2
+    if args.worker:
+        worker(args)
+        return 0
+    tmp = None
+    if not args.json:
+        fd, tmp = tempfile.mkstemp(prefix="jaxodc_train_", suffix=".json")
+        os.close(fd)
+        args.json = tmp
+    for k in ("json", "timeline", "checkpoint", "data", "lengths"):  # ranks may start elsewhere
+        if getattr(args, k):
+            setattr(args, k, os.path.abspath(getattr(args, k)))
+    try:
+        if launched:  # this process is one rank of a job someone else started
+            if worker(args) is None:
+                return 0
+        else:
+            from bench.common import launch_ranks
+            launch_ranks(args.ranks, "jaxodc.train.cli", _worker_argv(args), timeout_s=args.timeout)
+        report(args.json, args.timeline, None if tmp else args.json)
+    finally:
+        if tmp:
+            os.unlink(tmp)
+    return 0
+
+
+def _worker_argv(args) -> list[str]:
+    """The rank processes' argv: this invocation's options plus --worker."""
+    out = ["--worker"]
+    for action in parser()._actions:
+        if not action.option_strings or action.dest in ("help", "worker", "ranks", "timeout"):
+            continue
+        v = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if v else []
+        elif v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""`jaxodc train`: bad input is refused before any rank starts (exit status 2, a message naming the
+problem); an end-to-end run on 2 local ranks trains the collective baseline and ODC, saves
+checkpoints, and a second invocation with --resume continues one of them (records, checkpoint
+steps, the table and the timeline are checked)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--minibatch", "2", "--max-tokens", "32", "--d-model", "16", "--layers", "1", "--heads", "2"]
+
+
+def _main(argv, capsys):
+    from jaxodc.train.cli import main
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_bad_input_exits_2_before_launching(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("10\n20\n300  # too long\n12\n")
+    code, err = _main(["--lengths", str(lengths)] + SMALL, capsys)
+    assert code == 2 and "1 sample length(s) exceed --max-tokens 32 (first: sample 2, length 300)" in err, err
+    code, err = _main(["--comm", "odc,nccl"], capsys)
+    assert code == 2 and "unknown --comm 'nccl'" in err, err
+    code, err = _main(["--comm", "collective", "--balance", "lb_steal"], capsys)
+    assert code == 2 and "lb_steal claims microbatches at run time; it needs --comm odc" in err, err
+    code, err = _main(["--resume"], capsys)
+    assert code == 2 and "--resume needs --checkpoint DIR" in err, err
+    code, err = _main(["--steps", "0"], capsys)
+    assert code == 2 and "--steps must be >= 1" in err, err
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n{"text": "a longer sample"}\n')
+    code, err = _main(["--data", str(data), "--ranks", "2"] + SMALL, capsys)
+    assert code == 2 and "2 samples cannot fill one minibatch of 2 per rank x 2 ranks" in err, err
+    data.write_text('{"text": "ok"}\n[1, 2]\n')
+    code, err = _main(["--data", str(data)] + SMALL, capsys)
+    assert code == 2 and 'd.jsonl:2: expected an object with a string "text" field' in err, err
+
+
+def _train(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "jaxodc", "train"] + args, cwd=ROOT, env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:]
+    return p.stdout
+
+
+@pytest.mark.timeout(300)
+def test_train_checkpoint_and_resume(tmp_path):
+    ck, js = tmp_path / "ck", tmp_path / "runs.json"
+    common = ["--ranks", "2", "--comm", "collective,odc", "--checkpoint", str(ck), "--json", str(js)] + SMALL
+    out = _train(common + ["--steps", "2", "--save-every", "1", "--warmup", "0"])
+    for name in ("collective + lb_micro", "odc + lb_mini"):
+        for step in (0, 1):
+            assert f"{name.split(' + ')[0]:>10} + {name.split(' + ')[1]:<8} minibatch {step}: loss" in out, out
+    runs = json.load(open(js))
+    assert set(runs) == {"collective + lb_micro", "odc + lb_mini"}
+    for name, recs in runs.items():
+        assert sorted((r["rank"], r["step"]) for r in recs) == [(0, 0), (0, 1), (1, 0), (1, 1)], name
+        assert sum(r["samples"] for r in recs) == 2 * 2 * 2
+        losses = {r["step"]: r["loss"] for r in recs}
+        assert all(r["loss"] == losses[r["step"]] for r in recs)  # the global loss on every rank
+    for sub in ("collective-lb_micro", "odc-lb_mini"):
+        assert json.load(open(ck / sub / "manifest.json"))["step"] == 2
+    assert "final loss" in out and "samples/s" in out and "ODC + LB-Mini vs collective + LB-Micro:" in out
+
+    # resume one run from its sub-directory (a single run uses --checkpoint DIR itself)
+    png = tmp_path / "t.png"
+    out = _train(["--ranks", "2", "--comm", "odc", "--checkpoint", str(ck / "odc-lb_mini"), "--json", str(js)]
+                 + SMALL + ["--steps", "3", "--resume", "--warmup", "0", "--timeline", str(png)])
+    assert "odc + lb_mini  resumed from" in out and "at minibatch 2" in out, out
+    assert "odc + lb_mini  minibatch 2: loss" in out and "minibatch 1: loss" not in out, out
+    runs = json.load(open(js))
+    assert list(runs) == ["odc + lb_mini"] and sorted(r["step"] for r in runs["odc + lb_mini"]) == [2, 2]
+    assert png.stat().st_size > 1000 and f"timeline: {png}" in out
+    assert json.load(open(ck / "odc-lb_mini" / "manifest.json"))["step"] == 3
