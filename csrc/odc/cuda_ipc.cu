@@ -219,7 +219,8 @@ void Runtime::dev_open_peer(Peer& peer) {
   cudaError_t e = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    throw PeerError(where + ": cudaIpcOpenMemHandle: " + cuda_msg(e));
+    throw PeerError(where + ": cudaIpcOpenMemHandle: " + cuda_msg(e) +
+                    " (GPUs without peer access cannot map each other: use transport='shm')");
   }
   peer.dev_base = static_cast<char*>(ptr);
   // The owner frees its block only after this mark is cleared again (dev_release) or I died.
