@@ -11,10 +11,12 @@ import time
 RANK_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
 
 
-def launch_ranks(world: int, module: str, args: list[str], timeout_s: float) -> None:
-    """Runs `python -m module args` on `world` local ranks through `jaxodc launch`."""
+def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
+    """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
+    RANK_ENV)."""
     from jaxodc.launch import main as launch
     os.environ.update(RANK_ENV)
+    os.environ.update(env or {})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     status = launch(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)

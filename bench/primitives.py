@@ -3,6 +3,11 @@ all_gather / psum_scatter over gloo on the same processes, plus memcpy bandwidth
 limit), for several unit sizes at 2 and 4 ranks. Writes one JSON record per measurement.
 
     jaxodc bench primitives --json bench/out/primitives.json [--sizes-mb 1,4,16,64,256] [--ranks 2,4]
+
+With --gpu the ranks run jax on CUDA (they may share one GPU): ODC over cuda_ipc (server memory on
+the GPU, data GPU to GPU) against the staged shm and tcp paths (device=None), plus the device's own
+copy bandwidth (op memcpy, transport device). The gloo collectives are left out there: they are CPU
+collectives, and NCCL needs one GPU per rank.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ def _reps(nbytes: int) -> int:
     return 3 if nbytes >= 128 * MB else 7
 
 
-def worker(sizes_mb: list[int], out_path: str) -> None:
+def worker(sizes_mb: list[int], out_path: str, gpu: bool = False) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -33,7 +38,10 @@ def worker(sizes_mb: list[int], out_path: str) -> None:
     from jaxodc.ops import odc_gather, odc_gather_into, odc_scatter_accumulate
 
     ctx = init_from_env()
-    init_jax_distributed(ctx)
+    if gpu:
+        assert jax.default_backend() == "gpu", "bench primitives --gpu: jax sees no GPU"
+    else:
+        init_jax_distributed(ctx)
     world, rank = ctx.world, ctx.rank
     numels = [mb * MB // 4 for mb in sizes_mb]
     records = []
@@ -47,9 +55,11 @@ def worker(sizes_mb: list[int], out_path: str) -> None:
 
     sync = lambda: ctx.barrier("rep")  # noqa: E731 - untimed alignment of the ranks before each rep
 
-    for transport in ("shm", "tcp"):
+    for transport in (("cuda_ipc", "shm", "tcp") if gpu else ("shm", "tcp")):
+        # Staged transports keep host server memory (device=None) so they measure the staged path.
         rt = Runtime(numels, rank=rank, world=world, rendezvous=ctx.rendezvous,
-                     job_id=f"{ctx.job_id}{transport}", transport=transport, timeout_s=300)
+                     job_id=f"{ctx.job_id}{transport}", transport=transport, timeout_s=300,
+                     device="auto" if transport == "cuda_ipc" else None)
         rng = np.random.default_rng(rank)
         for u in range(len(numels)):
             rt.publish(u, rng.standard_normal(rt.shard_size(u)).astype(np.float32), 0)
@@ -91,6 +101,21 @@ def worker(sizes_mb: list[int], out_path: str) -> None:
             record("scatter_accumulate", transport, nbytes, slowest(f"s{transport}{u}", t))
         rt.close()
 
+    if gpu:
+        for numel in numels:
+            nbytes, reps = numel * 4, _reps(numel * 4)
+            if rank == 0:  # the physical limit: one read + one write of the unit by a kernel, alone
+                x = jnp.ones(numel, jnp.float32)
+                copy = jax.jit(lambda a: a + 1.0)
+                copy(x).block_until_ready()
+                record("memcpy", "device", nbytes, median_time(lambda: copy(x).block_until_ready(), reps))
+            sync()
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(records, f)
+        shutdown(ctx)
+        return
+
     mesh = Mesh(np.array(jax.devices()), ("r",))
     for numel in numels:
         nbytes, reps = numel * 4, _reps(numel * 4)
@@ -130,6 +155,13 @@ def summarize(records: list[dict]) -> list[str]:
         return next((r["gbps"] for r in records if r["op"] == op and r["transport"] == transport
                      and r.get("variant") == variant and r["ranks"] == ranks and r["bytes"] == nbytes), None)
     lines = []
+    ci, cs, dm = gbps("gather", "cuda_ipc", "into"), gbps("scatter_accumulate", "cuda_ipc"), gbps("memcpy", "device")
+    si, ss = gbps("gather", "shm", "into"), gbps("scatter_accumulate", "shm")
+    if None not in (ci, cs, si, ss):
+        lines.append(f"64 MB, 2 ranks (GPU): cuda_ipc / staged shm = {ci / si:.2f}x gather (into), "
+                     f"{cs / ss:.2f}x scatter_accumulate")
+    if None not in (ci, dm):
+        lines.append(f"64 MB, 2 ranks (GPU): cuda_ipc gather / device copy kernel = {ci / dm:.2f}x")
     gi, gf = gbps("gather", "shm", "into"), gbps("gather", "shm", "fresh")
     ag, mc = gbps("all_gather", "gloo"), gbps("memcpy", "local")
     s, ps = gbps("scatter_accumulate", "shm"), gbps("psum_scatter", "gloo")
@@ -153,19 +185,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", help="write the records here")
     p.add_argument("--sizes-mb", default="1,4,16,64,256")
     p.add_argument("--ranks", default="2,4")
+    p.add_argument("--gpu", action="store_true", help="ranks run jax on CUDA; adds the cuda_ipc transport")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     if args.worker:
-        worker(sizes, args.out)
+        worker(sizes, args.out, gpu=args.gpu)
         return 0
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.ranks.split(",")):
             out = os.path.join(tmp, f"w{world}.json")
-            launch_ranks(world, "bench.primitives", ["--worker", "--sizes-mb", args.sizes_mb, "--out", out],
-                         timeout_s=1800)
+            launch_ranks(world, "bench.primitives",
+                         ["--worker", "--sizes-mb", args.sizes_mb, "--out", out] + (["--gpu"] if args.gpu else []),
+                         timeout_s=1800,
+                         env={"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if args.gpu else None)
             with open(out) as f:
                 records += json.load(f)
     records.sort(key=lambda r: (r["ranks"], r["bytes"], r["op"], r["transport"], r.get("variant", "")))

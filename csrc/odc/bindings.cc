@@ -49,6 +49,10 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("layout_hash", &Runtime::layout_hash)
       .def_prop_ro("shm_name", &Runtime::shm_name)
       .def_prop_ro("port", &Runtime::port)
+      .def_prop_ro("device", &Runtime::device, "CUDA ordinal of the device block, -1 without one")
+      .def_prop_ro("device_uuid", &Runtime::device_uuid)
+      .def("enable_device", &Runtime::enable_device, nb::arg("ordinal"), nb::call_guard<nb::gil_scoped_release>(),
+           "Puts this rank's server memory (also) in GPU memory, exported for cuda_ipc peers; before connect.")
       .def("numel", &Runtime::numel)
       .def("shard_size", &Runtime::shard_size)
       .def(
@@ -68,7 +72,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
             nb::gil_scoped_release release;
             rt.connect(cfgs);
           },
-          "peers: [(rank, transport 0=self 1=shm 2=tcp, shm_name, host, port, pid)]")
+          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc, shm_name, host, port, pid)]")
       .def("unlink_segment", &Runtime::unlink_segment)
       .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
       .def(
@@ -125,10 +129,14 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
              d["segment_bytes"] = s.segment_bytes;
              d["pushes_received"] = s.pushes_received;
              d["bytes_received"] = s.bytes_received;
+             d["device_bytes"] = s.device_bytes;
              return d;
            })
       .def("close", &Runtime::close, nb::call_guard<nb::gil_scoped_release>());
 
+  m.def("odc_cuda_built", &odc::cuda_built, "Whether the ODC runtime was built with the cuda_ipc transport.");
+  m.def("odc_cuda_device_uuids", &odc::cuda_device_uuids,
+        "UUIDs of the CUDA devices this process sees (empty without CUDA, a driver or a device).");
   m.def("odc_reclaim_stale_segments", &odc::reclaim_stale_segments,
         "Unlinks /dev/shm/jaxodc_* segments whose owner process is gone; returns how many.");
 

@@ -15,15 +15,12 @@
 #include <fstream>
 #include <sstream>
 
+#include "odc/segment.h"
 #include "transport/socket_util.h"
 
 namespace jaxodc::odc {
 
 namespace {
-
-constexpr uint64_t kMagic = 0x3130434f444f584aULL;  // "JXODOC01"
-constexpr int kRing = 8;  // versions in flight differ by at most 1; 8 entries leave ample margin
-constexpr uint32_t kSlotFree = 0, kSlotFull = 1;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -32,6 +29,10 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
   for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
   return h;
 }
+
+std::atomic<Runtime*> g_runtime{nullptr};
+
+}  // namespace
 
 // A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
 bool pid_alive(int pid) {
@@ -45,73 +46,6 @@ bool pid_alive(int pid) {
   char state = content[paren + 2];
   return state != 'Z' && state != 'X';
 }
-
-std::atomic<Runtime*> g_runtime{nullptr};
-
-}  // namespace
-
-struct alignas(64) UnitEntry {
-  std::atomic<int64_t> version;  // -1 until first publish
-  int64_t numel;
-  int64_t shard;
-  uint64_t master_offset;
-};
-
-struct alignas(64) SlotHeader {
-  std::atomic<uint32_t> state;
-  int32_t unit;
-  int64_t version;
-  int64_t count;
-};
-
-struct alignas(64) ScalarEntry {
-  std::atomic<int64_t> version;
-  double value;
-};
-
-struct SegmentHeader {
-  uint64_t magic;
-  int32_t rank, world, pid, num_units;
-  uint64_t layout_hash;
-  int64_t max_shard;
-  uint64_t total_bytes, units_off, masters_off, slots_off, slot_stride, done_off, scalars_off;
-  alignas(64) std::atomic<uint32_t> pub_seq;     // bumped on publish
-  alignas(64) std::atomic<uint32_t> doorbell;    // bumped on push / done / drained slot
-  alignas(64) std::atomic<uint32_t> slot_seq;    // bumped when a slot is freed
-  alignas(64) std::atomic<uint32_t> scalar_seq;  // bumped when a scalar is posted
-  alignas(64) std::atomic<uint32_t> closing;     // owner shut down
-  alignas(64) std::atomic<uint64_t> tasks[kRing];  // (version << 24 | next) work-stealing counters
-
-  char* base() { return reinterpret_cast<char*>(this); }
-  UnitEntry* unit(int u) { return reinterpret_cast<UnitEntry*>(base() + units_off) + u; }
-  float* master(int u) { return reinterpret_cast<float*>(base() + unit(u)->master_offset); }
-  SlotHeader* slot(int client) {
-    return reinterpret_cast<SlotHeader*>(base() + slots_off + slot_stride * static_cast<uint64_t>(client));
-  }
-  float* slot_data(int client) { return reinterpret_cast<float*>(reinterpret_cast<char*>(slot(client)) + 64); }
-  std::atomic<int64_t>* done(int client) {
-    return reinterpret_cast<std::atomic<int64_t>*>(base() + done_off) + client;
-  }
-  ScalarEntry* scalar(int64_t version) {
-    return reinterpret_cast<ScalarEntry*>(base() + scalars_off) + (version % kRing);
-  }
-};
-
-static_assert(std::atomic<int64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
-
-struct Runtime::Peer {
-  int rank = -1;
-  Transport transport = Transport::kSelf;
-  SegmentHeader* seg = nullptr;  // mapped segment (self or shm)
-  size_t seg_bytes = 0;
-  int pid = 0;
-  std::string host;
-  int port = 0;
-  int fd = -1;
-  std::mutex mu;  // one request at a time on the TCP connection
-  std::string name() const { return "rank " + std::to_string(rank); }
-};
 
 // Wire format of the TCP transport.
 enum Op : uint32_t { kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kTask = 6, kBye = 7 };
@@ -265,7 +199,24 @@ Stats Runtime::stats() const {
   s.segment_bytes = static_cast<int64_t>(seg_bytes_);
   s.pushes_received = pushes_received_.load();
   s.bytes_received = bytes_received_.load();
+  s.device_bytes = device_bytes_;
   return s;
+}
+
+void Runtime::piece(int unit, int owner, int64_t* lo, int64_t* n) const {
+  const int64_t numel = numels_[unit], shard = shards_[unit];
+  *lo = std::min<int64_t>(static_cast<int64_t>(owner) * shard, numel);
+  *n = std::max<int64_t>(0, std::min<int64_t>(shard, numel - *lo));
+}
+
+bool Runtime::device_owner(int owner) const {
+  return dev_ != nullptr && (owner == rank_ || peers_[owner]->transport == Transport::kCudaIpc);
+}
+
+bool Runtime::has_host_owners() const {
+  for (int d = 0; d < world_; ++d)
+    if (!device_owner(d)) return true;
+  return false;
 }
 
 void Runtime::check_unit(int unit, const char* op) const {
@@ -283,6 +234,7 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
   if (static_cast<int>(configs.size()) != world_)
     throw Error("connect: expected " + std::to_string(world_) + " peer configs, got " +
                 std::to_string(configs.size()));
+  connected_ = true;
   for (const PeerConfig& cfg : configs) {
     if (cfg.rank < 0 || cfg.rank >= world_) throw Error("connect: bad peer rank " + std::to_string(cfg.rank));
     if (cfg.rank == rank_) continue;
@@ -292,7 +244,7 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
     peer.pid = cfg.pid;
     peer.host = cfg.host;
     peer.port = cfg.port;
-    if (cfg.transport == Transport::kShm) {
+    if (is_mapped(cfg.transport)) {
       int fd = shm_open(cfg.shm_name.c_str(), O_RDWR, 0);
       if (fd < 0)
         throw PeerError("rank " + std::to_string(rank_) + ": cannot open the segment " + cfg.shm_name + " of rank " +
@@ -310,6 +262,7 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
       if (peer.seg->layout_hash != layout_hash_)
         throw Error("unit layout of rank " + std::to_string(cfg.rank) + " differs from rank " + std::to_string(rank_));
       peer.pid = peer.seg->pid;
+      if (cfg.transport == Transport::kCudaIpc) dev_open_peer(peer);
     } else if (cfg.transport == Transport::kTcp) {
       peer.fd = net::connect_tcp(cfg.host, cfg.port, timeout_s_, peer.name());
       WireHeader h{};
@@ -338,7 +291,7 @@ void Runtime::unlink_segment() {
 
 void Runtime::check_peer_alive(const Peer& peer, const std::string& what) const {
   if (closed_ || stop_.load()) throw Error(what + ": the ODC runtime of rank " + std::to_string(rank_) + " was closed");
-  if (peer.transport == Transport::kShm) {
+  if (is_mapped(peer.transport)) {
     if (peer.seg->closing.load(std::memory_order_acquire))
       throw PeerError(what + ": " + peer.name() + " shut down its ODC runtime");
     if (!pid_alive(peer.pid))
@@ -365,10 +318,15 @@ void Runtime::wait_for(std::atomic<uint32_t>* word, Pred ready, const Peer* peer
   }
 }
 
+void Runtime::wait_until(std::atomic<uint32_t>* word, const std::function<bool()>& ready, const Peer* peer,
+                         const std::string& what) {
+  wait_for(word, ready, peer, what);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Worker side
 
-void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel) {
+void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel, Route route) {
   check_open("gather");
   check_unit(unit, "gather");
   const int64_t numel = numels_[unit], shard = shards_[unit];
@@ -405,6 +363,7 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
     for (int d = 0; d < world_; ++d) {
       Peer& p = *peers_[d];
       if (p.transport == Transport::kTcp) continue;
+      if (route == Route::kHostOwners && device_owner(d)) continue;
       int64_t lo, n;
       piece(d, &lo, &n);
       UnitEntry* e = p.seg->unit(unit);
@@ -448,7 +407,8 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
   for (Peer* q : remote) q->mu.unlock();
 }
 
-void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type, int64_t grad_numel) {
+void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type, int64_t grad_numel,
+                                 Route route) {
   check_open("scatter_accumulate");
   check_unit(unit, "scatter_accumulate");
   const int64_t numel = numels_[unit], shard = shards_[unit];
@@ -461,6 +421,7 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
   // Start with the next owner so that ranks do not all queue at owner 0 at once.
   for (int i = 0; i < world_; ++i) {
     int d = (rank_ + 1 + i) % world_;
+    if (route == Route::kHostOwners && device_owner(d)) continue;
     Peer& p = *peers_[d];
     int64_t lo = std::min<int64_t>(static_cast<int64_t>(d) * shard, numel);
     int64_t n = std::min<int64_t>(shard, numel - lo);
@@ -475,7 +436,7 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
         load_to_f32(staging.data(), src + lo * esize, type, n);
         accumulate(unit, version, rank_, staging.data(), n);
       }
-    } else if (p.transport == Transport::kShm) {
+    } else if (is_mapped(p.transport)) {
       SlotHeader* slot = p.seg->slot(rank_);
       wait_for(
           &p.seg->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; }, &p,
@@ -485,6 +446,7 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
       slot->unit = unit;
       slot->version = version;
       slot->count = n;
+      slot->where = kSlotHost;
       slot->state.store(kSlotFull, std::memory_order_release);
       signal_event(&p.seg->doorbell);
     } else {
@@ -509,6 +471,9 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
 
 void Runtime::done(int64_t version) {
   check_open("done");
+  // Owners may overwrite their device masters once every done(version) arrived: the device
+  // copies this rank enqueued from them must have finished first.
+  if (dev_) dev_sync_pending();
   for (int d = 0; d < world_; ++d) {
     Peer& p = *peers_[d];
     if (p.transport == Transport::kTcp) {
@@ -614,16 +579,19 @@ std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
 // ---------------------------------------------------------------------------------------------
 // Owner side
 
-void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count) {
+bool Runtime::accept_push(int unit, int64_t version, int client) {
   int64_t expected = accumulating_version_.load(std::memory_order_acquire);
-  if (version != expected) {
-    std::lock_guard<std::mutex> lock(error_mu_);
-    if (daemon_error_.empty())
-      daemon_error_ = "rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " for version " +
-                      std::to_string(version) + " while rank " + std::to_string(rank_) + " accumulates version " +
-                      std::to_string(expected);
-    return;
-  }
+  if (version == expected) return true;
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (daemon_error_.empty())
+    daemon_error_ = "rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " for version " +
+                    std::to_string(version) + " while rank " + std::to_string(rank_) + " accumulates version " +
+                    std::to_string(expected);
+  return false;
+}
+
+void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count) {
+  if (!accept_push(unit, version, client)) return;
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
   float* acc = accum_[unit].data();
   for (int64_t i = 0; i < count; ++i) acc[i] += data[i];
@@ -631,8 +599,8 @@ void Runtime::accumulate(int unit, int64_t version, int client, const float* dat
 
 bool Runtime::drain_slots() {
   bool drained = false;
+  // Every slot, mine included: with a device, my own pushes arrive in my device slot.
   for (int c = 0; c < world_; ++c) {
-    if (c == rank_) continue;
     SlotHeader* slot = seg_->slot(c);
     if (slot->state.load(std::memory_order_acquire) != kSlotFull) continue;
     int unit = slot->unit;
@@ -642,6 +610,22 @@ bool Runtime::drain_slots() {
       if (daemon_error_.empty())
         daemon_error_ = "rank " + std::to_string(c) + " pushed a malformed message (unit " + std::to_string(unit) +
                         ", " + std::to_string(count) + " elements) to rank " + std::to_string(rank_);
+    } else if (slot->where == kSlotDevice) {
+      if (dev_ == nullptr) {
+        std::lock_guard<std::mutex> lock(error_mu_);
+        if (daemon_error_.empty())
+          daemon_error_ = "rank " + std::to_string(c) + " pushed unit " + std::to_string(unit) +
+                          " into device memory of rank " + std::to_string(rank_) + ", which has no device";
+      } else if (accept_push(unit, slot->version, c)) {
+        try {
+          dev_accumulate(unit, c, count);
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(error_mu_);
+          if (daemon_error_.empty()) daemon_error_ = e.what();
+        }
+      }
+      pushes_received_.fetch_add(1, std::memory_order_relaxed);
+      bytes_received_.fetch_add(count * 4, std::memory_order_relaxed);
     } else {
       accumulate(unit, slot->version, c, seg_->slot_data(c), count);
       pushes_received_.fetch_add(1, std::memory_order_relaxed);
@@ -680,7 +664,7 @@ void Runtime::wait_complete(int64_t version) {
     int missing = -1;
     for (int c = 0; c < world_ && missing < 0; ++c) {
       if (seg_->done(c)->load(std::memory_order_acquire) < version) missing = c;
-      else if (c != rank_ && seg_->slot(c)->state.load(std::memory_order_acquire) != kSlotFree) missing = c;
+      else if (seg_->slot(c)->state.load(std::memory_order_acquire) != kSlotFree) missing = c;
     }
     if (missing < 0) break;
     const std::string what = "waiting for done(" + std::to_string(version) + ") and drained pushes from rank " +
@@ -689,7 +673,7 @@ void Runtime::wait_complete(int64_t version) {
       std::lock_guard<std::mutex> lock(error_mu_);
       if (!client_failure_[missing].empty()) throw PeerError(what + ": " + client_failure_[missing]);
     }
-    if (peers_[missing]->transport == Transport::kShm) check_peer_alive(*peers_[missing], what);
+    if (is_mapped(peers_[missing]->transport)) check_peer_alive(*peers_[missing], what);
     double now = now_seconds();
     if (now > deadline)
       throw TimeoutError("rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_s_) +
@@ -713,6 +697,7 @@ void Runtime::fetch_grad(int unit, float* out, int64_t out_numel) {
                 " elements, output " + std::to_string(out_numel));
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
   std::memcpy(out, accum_[unit].data(), static_cast<size_t>(shards_[unit]) * 4);
+  if (dev_) dev_fetch_add(unit, out);
   std::fill(accum_[unit].begin(), accum_[unit].end(), 0.0f);
   last_fetched_[unit] = completed;
 }
@@ -733,6 +718,7 @@ void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t
                 std::to_string(version) + " before minibatch " + std::to_string(version - 1) +
                 " completed (wait_complete first)");
   std::memcpy(seg_->master(unit), shard, static_cast<size_t>(shard_numel) * 4);
+  if (dev_) dev_publish(unit, shard);  // complete before the version below announces it
   e->version.store(version, std::memory_order_release);
   signal_event(&seg_->pub_seq);
 }
@@ -834,6 +820,7 @@ void Runtime::serve_connection(int fd) {
           slot->unit = h.unit;
           slot->version = h.version;
           slot->count = h.count;
+          slot->where = kSlotHost;
           slot->state.store(kSlotFull, std::memory_order_release);
           signal_event(&seg_->doorbell);
           break;
@@ -919,9 +906,12 @@ void Runtime::close() {
     for (int& fd : conn_fds_) net::close_fd(fd);
   }
   net::close_fd(listen_fd_);
+  // After the daemon stopped (it uses the device block), before the segments are unmapped (the
+  // release clears my mapper marks in the owners' segments and reads the marks in mine).
+  if (dev_) dev_release();
   for (auto& p : peers_) {
     net::close_fd(p->fd);
-    if (p->transport == Transport::kShm && p->seg) munmap(p->seg, p->seg_bytes);
+    if (is_mapped(p->transport) && p->seg) munmap(p->seg, p->seg_bytes);
     p->seg = nullptr;
   }
   unlink_segment();
@@ -958,3 +948,33 @@ int reclaim_stale_segments() {
 }
 
 }  // namespace jaxodc::odc
+
+#ifndef JAXODC_WITH_CUDA
+// Built without CUDA: no device can be enabled, so the other device members are never reached.
+namespace jaxodc::odc {
+
+bool cuda_built() { return false; }
+std::vector<std::string> cuda_device_uuids() { return {}; }
+
+void Runtime::enable_device(int ordinal) {
+  throw Error("rank " + std::to_string(rank_) + ": cannot use CUDA device " + std::to_string(ordinal) +
+              ": jaxodc was built without CUDA (no nvcc at build time)");
+}
+void Runtime::dev_open_peer(Peer& peer) {
+  throw Error("rank " + std::to_string(rank_) + ": the cuda_ipc transport to " + peer.name() +
+              " needs a CUDA build of jaxodc");
+}
+void Runtime::gather_device(int, int64_t, float*, CUstream_st*) {
+  throw Error("gather_device: jaxodc was built without CUDA");
+}
+void Runtime::scatter_device(int, int64_t, const float*, CUstream_st*) {
+  throw Error("scatter_device: jaxodc was built without CUDA");
+}
+void Runtime::dev_publish(int, const float*) {}
+void Runtime::dev_fetch_add(int, float*) {}
+void Runtime::dev_accumulate(int, int, int64_t) {}
+void Runtime::dev_sync_pending() {}
+void Runtime::dev_release() {}
+
+}  // namespace jaxodc::odc
+#endif

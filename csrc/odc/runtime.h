@@ -8,11 +8,19 @@
 // (one-sided); peers elsewhere reach it through this rank's TCP server thread, which performs the
 // same one-sided operations on their behalf. Gradient accumulators are private to the owner; its
 // accumulation thread (the daemon) drains full slots into them.
+//
+// With a device enabled (enable_device, CUDA builds), the rank also keeps a device block in GPU
+// memory (device masters, one device slot per client) exported with CUDA IPC, plus an fp32 device
+// accumulator. Same-host peers with a device use the `cuda_ipc` transport: the control words
+// (versions, slot states, done markers, futex wake-ups) stay in the host segment and only the data
+// moves GPU to GPU (cuda_ipc.cu). publish writes both masters, so every transport can read any
+// owner; the owner's gradient is the sum of its host and device accumulators.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,18 +30,26 @@
 #include "common/dtype.h"
 #include "common/sync.h"
 
+struct CUstream_st;  // cudaStream_t is CUstream_st*; declared here so this header needs no CUDA
+
 namespace jaxodc::odc {
 
 struct SegmentHeader;
 struct UnitEntry;
 struct SlotHeader;
+struct DeviceState;  // a rank's device memory and streams (cuda_ipc.cu)
 
-enum class Transport : int { kSelf = 0, kShm = 1, kTcp = 2 };
+// kCudaIpc: the shm control segment plus the peer's device block mapped with CUDA IPC.
+enum class Transport : int { kSelf = 0, kShm = 1, kTcp = 2, kCudaIpc = 3 };
+
+// Which owners a worker operation serves: all, or only those not reached through device memory
+// (the CUDA handlers move device owners themselves and stage the rest through the host).
+enum class Route : int { kAll = 0, kHostOwners = 1 };
 
 struct PeerConfig {
   int rank = -1;
   Transport transport = Transport::kShm;
-  std::string shm_name;  // for kShm
+  std::string shm_name;  // for kShm and kCudaIpc
   std::string host;      // for kTcp
   int port = 0;
   int pid = 0;
@@ -46,6 +62,7 @@ struct Stats {
   int64_t segment_bytes = 0;
   int64_t pushes_received = 0;
   int64_t bytes_received = 0;
+  int64_t device_bytes = 0;  // device block + device accumulators (0 without a device)
 };
 
 class Runtime {
@@ -66,15 +83,35 @@ class Runtime {
   int port() const { return port_; }
   Stats stats() const;
 
-  // Attaches to every peer (shm mapping or TCP connection + layout handshake).
+  // Allocates and exports the device block on CUDA device `ordinal`; before connect. Throws when
+  // built without CUDA.
+  void enable_device(int ordinal);
+  int device() const { return device_; }  // -1 without a device
+  const std::string& device_uuid() const { return device_uuid_; }
+
+  // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
+  // handshake).
   void connect(const std::vector<PeerConfig>& peers);
   // Removes the segment's name once every peer has mapped it, so a crash cannot leak it.
   void unlink_segment();
 
-  // Worker side. `out` / `grad` hold numel(unit) elements of `type`.
-  void gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel);
+  // Worker side. `out` / `grad` hold numel(unit) elements of `type` in host memory.
+  void gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel,
+              Route route = Route::kAll);
   void scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type,
-                          int64_t grad_numel);
+                          int64_t grad_numel, Route route = Route::kAll);
+  // [lo, lo + n) of the flat unit that `owner` holds (n may be 0 for trailing owners).
+  void piece(int unit, int owner, int64_t* lo, int64_t* n) const;
+  // True when the CUDA handlers reach `owner` through device memory (self or a cuda_ipc peer).
+  bool device_owner(int owner) const;
+  bool has_host_owners() const;
+  // Device-memory worker operations (cuda_ipc.cu) for the device owners only; `out` / `grad` are
+  // fp32 device pointers to the whole unit. gather waits on the host for each owner's publication
+  // and enqueues device-to-device copies on `stream` (not waited for; done() waits for them).
+  // scatter_device copies each owner's slice into my slot there, waits for the copy, raises the
+  // slot's flag.
+  void gather_device(int unit, int64_t version, float* out, CUstream_st* stream);
+  void scatter_device(int unit, int64_t version, const float* grad, CUstream_st* stream);
   void done(int64_t version);
   int64_t next_task(int64_t version);
   // Every rank's `value` for this call; all ranks make the same sequence of calls. `version` only
@@ -97,9 +134,20 @@ class Runtime {
   template <class Pred>
   void wait_for(std::atomic<uint32_t>* word, Pred ready, const Peer* peer, const std::string& what);
   void check_peer_alive(const Peer& peer, const std::string& what) const;
+  // wait_for for callers outside runtime.cc.
+  void wait_until(std::atomic<uint32_t>* word, const std::function<bool()>& ready, const Peer* peer,
+                  const std::string& what);
   void daemon_loop();
   bool drain_slots();
+  bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count);
+  // CUDA IPC internals (cuda_ipc.cu; the no-CUDA build defines them in runtime.cc).
+  void dev_open_peer(Peer& peer);
+  void dev_publish(int unit, const float* shard);
+  void dev_fetch_add(int unit, float* out);  // out += device accumulator, which is zeroed
+  void dev_accumulate(int unit, int client, int64_t count);  // daemon: device slot -> accumulator
+  void dev_sync_pending();                   // waits for enqueued device gathers
+  void dev_release();                        // close: unmap peers, free the block when unmapped
   void serve_loop();
   void serve_connection(int fd);
   // Operations performed on this rank's own segment (for itself, or for a TCP client).
@@ -141,10 +189,21 @@ class Runtime {
   std::atomic<int64_t> pushes_received_{0}, bytes_received_{0};
   int64_t scalar_calls_ = 0;
   bool closed_ = false;
+  bool connected_ = false;
+
+  int device_ = -1;
+  std::string device_uuid_;
+  int64_t device_bytes_ = 0;
+  DeviceState* dev_ = nullptr;  // owned; freed by dev_release
 };
 
 // Unlinks /dev/shm/jaxodc_* segments whose creating process is gone (crash recovery).
 int reclaim_stale_segments();
+
+// Whether this build has the CUDA IPC transport, and the UUIDs ("GPU-...") of the CUDA devices this
+// process sees (empty without CUDA, driver or device).
+bool cuda_built();
+std::vector<std::string> cuda_device_uuids();
 
 // The runtime FFI handlers use; set by the Python Runtime object.
 Runtime* current_runtime();

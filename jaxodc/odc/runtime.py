@@ -7,6 +7,11 @@ Typical use (one process per rank)::
     ... jitted steps gather version v and push gradients for version v ...
     rt.done(v); rt.wait_complete(v)
     g = rt.fetch_grad(u); rt.publish(u, new_shard, v + 1)
+
+Transports per peer pair: "shm" (POSIX shared memory, same host), "tcp" (anywhere) and, when both
+ranks keep their server memory on a GPU, "cuda_ipc" (same host: the data moves GPU to GPU, the
+control words stay in shared memory). `device="auto"` puts the server memory on the GPU when jax
+runs on one (call jaxodc.dist.init_jax_distributed first: this looks at jax's backend).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import numpy as np
 
 from jaxodc._native import C as _C
 
-TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2}
+TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3}
 
 OdcError = _C.OdcError
 OdcTimeoutError = _C.OdcTimeoutError
@@ -52,6 +57,7 @@ class PeerInfo:
     pid: int
     shm_name: str
     unit_sizes: tuple[int, ...]
+    device_uuid: str = ""  # "" when the rank keeps its server memory on the host only
 
 
 def check_layouts(infos: Sequence[PeerInfo]) -> None:
@@ -73,13 +79,53 @@ def choose_transport(me: PeerInfo, peer: PeerInfo, override: str | Mapping[int, 
         return "self"
     if isinstance(override, Mapping):
         override = override.get(peer.rank, "auto")
+    same_host = peer.host_id == me.host_id
     if override == "auto":
-        return "shm" if peer.host_id == me.host_id else "tcp"
-    if override not in ("shm", "tcp"):
-        raise ValueError(f"unknown ODC transport {override!r} for rank {peer.rank}; use auto, shm or tcp")
-    if override == "shm" and peer.host_id != me.host_id:
-        raise ValueError(f"rank {peer.rank} runs on another host ({peer.host_id}); shm cannot reach it")
+        if not same_host:
+            return "tcp"
+        return "cuda_ipc" if me.device_uuid and peer.device_uuid else "shm"
+    if override not in ("shm", "tcp", "cuda_ipc"):
+        raise ValueError(f"unknown ODC transport {override!r} for rank {peer.rank}; use auto, shm, tcp or cuda_ipc")
+    if override in ("shm", "cuda_ipc") and not same_host:
+        raise ValueError(f"rank {peer.rank} runs on another host ({peer.host_id}); {override} cannot reach it")
+    if override == "cuda_ipc":
+        for info in (me, peer):
+            if not info.device_uuid:
+                raise ValueError(f"cuda_ipc between ranks {me.rank} and {peer.rank}: rank {info.rank} keeps its "
+                                 "server memory on the host (Runtime(device=...) is None or no GPU)")
     return override
+
+
+def resolve_device(device: int | str | None, rank: int) -> int | None:
+    """CUDA ordinal for the rank's device block, or None for host memory only.
+
+    "auto": the first local jax device when jax runs on a GPU and jaxodc was built with CUDA;
+    jax's backend is consulted only when JAX_PLATFORMS allows a GPU and a CUDA device is visible."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise TypeError(f"rank {rank}: device must be 'auto', None or a CUDA ordinal, got {device!r}")
+    if isinstance(device, int):
+        if not _C.odc_cuda_built():
+            raise OdcError(f"rank {rank}: device={device} needs jaxodc built with CUDA (nvcc at build time)")
+        return device
+    if device != "auto":
+        raise ValueError(f"rank {rank}: device must be 'auto', None or a CUDA ordinal, got {device!r}")
+    if not _C.odc_cuda_built():
+        return None
+    import jax
+
+    platforms = os.environ.get("JAX_PLATFORMS") or (jax.config.jax_platforms or "")
+    names = [p.strip() for p in platforms.split(",") if p.strip()]
+    if names and not any(p in ("cuda", "gpu") for p in names):
+        return None
+    if not _C.odc_cuda_device_uuids():
+        return None
+    if jax.default_backend() != "gpu":
+        return None
+    dev = jax.local_devices()[0]
+    ordinal = getattr(dev, "local_hardware_id", None)
+    return int(dev.id if ordinal is None else ordinal)
 
 
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
@@ -96,15 +142,20 @@ class Runtime:
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
-                 listen_host: str | None = None):
+                 listen_host: str | None = None, device: int | str | None = "auto"):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
+        ordinal = resolve_device(device, rank)
         self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host)
         try:
+            if ordinal is not None:
+                # Before the peer exchange: peers read the device block's IPC handle at connect.
+                self._native.enable_device(ordinal)
+            self.device = ordinal
             advertised = socket.gethostname() if listen_host == "0.0.0.0" else listen_host
             me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
-                          self._native.shm_name, self.unit_sizes)
+                          self._native.shm_name, self.unit_sizes, self._native.device_uuid)
             if world > 1:
                 raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
                 infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
