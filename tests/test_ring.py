@@ -216,6 +216,55 @@ def test_quantized_bit_identical_and_bounded(rings, quant, levels, dt):
             e.set_piece_bytes(1 << 20)
 
 
+def quantized_ring_reference(xs, op, levels, piece_elems):
+    """Exact model of quantised transfer, one f32 IEEE operation at a time: every piece is sent as
+    min-max codes of the stored partial (code = trunc(clip((v - lo) * inv + 0.5, 0, levels)),
+    value = lo + code * scale), the next peer combines the decoded value with its own, and the
+    owner's codes of the final chunk are what everyone decodes."""
+    W, dt, n = len(xs), xs[0].dtype, xs[0].size
+    f32, L = np.float32, np.float32(levels)
+
+    def quant(v):
+        lo, hi = v.min(), v.max()
+        scale = (hi - lo) / L
+        inv = L / (hi - lo) if hi > lo else f32(0)
+        t = np.minimum(np.maximum((v - lo) * inv + f32(0.5), f32(0)), L)
+        return t.astype(np.int32).astype(f32), lo, scale
+
+    out = np.empty(n, dt)
+    for c in range(W):
+        s, e = n * c // W, n * (c + 1) // W
+        for o in range(s, e, piece_elems):
+            sl = slice(o, min(o + piece_elems, e))
+            q, lo, scale = quant(xs[c][sl].astype(f32))
+            for k in range(1, W):
+                r = combine(op, lo + q * scale, xs[(c + k) % W][sl].astype(f32))
+                if k == W - 1 and op == "avg":
+                    r = r / f32(W)
+                q, lo, scale = quant(r.astype(dt).astype(f32))
+            out[sl] = (lo + q * scale).astype(dt)
+    return out
+
+
+@pytest.mark.parametrize("dt,op,quant", [(np.dtype(np.float32), "sum", "uint8"), (np.dtype(np.float32), "avg", "uint16"),
+                                         (np.dtype(np.float32), "max", "uint8"), (BF16, "avg", "uint8")])
+def test_quantized_matches_exact_model(rings, dt, op, quant):
+    """The vectorised, fused host kernels compute exactly the scalar formulas (tails included)."""
+    W = 3
+    eps = rings(W)
+    for e in eps:
+        e.set_piece_bytes(4000)  # pieces that are not a multiple of the 16-element vector block
+    try:
+        xs = [np.random.default_rng(90 + i).standard_normal(30_007).astype(dt) for i in range(W)]
+        res = run_all(eps, xs, op=op, quantize=quant, tag=5)
+        want = quantized_ring_reference(xs, op, 255 if quant == "uint8" else 65535, 4000 // dt.itemsize)
+        for r in res:
+            np.testing.assert_array_equal(bits(r), bits(want))
+    finally:
+        for e in eps:
+            e.set_piece_bytes(1 << 20)
+
+
 def test_quantize_rejects_integers(rings):
     with pytest.raises(ValueError, match="floating"):
         rings(2)[0].all_reduce(np.zeros(4, np.int32), quantize="uint8")

@@ -502,12 +502,15 @@ double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {
 
 std::vector<char>* Endpoint::take_work(size_t n) {
   std::lock_guard<std::mutex> g(mu_);
+  size_t best = work_free_.size();  // smallest cached buffer that fits, so small scratch never takes a big one
   for (size_t i = 0; i < work_free_.size(); ++i)
-    if (work_free_[i]->size() >= n) {
-      auto* w = work_free_[i].release();
-      work_free_.erase(work_free_.begin() + i);
-      return w;
-    }
+    if (work_free_[i]->size() >= n && (best == work_free_.size() || work_free_[i]->size() < work_free_[best]->size()))
+      best = i;
+  if (best < work_free_.size()) {
+    auto* w = work_free_[best].release();
+    work_free_.erase(work_free_.begin() + best);
+    return w;
+  }
   return new std::vector<char>(n);
 }
 
@@ -543,14 +546,21 @@ class CpuOps final : public PieceOps {
   using K = Kernels<D>;
 
  public:
-  CpuOps(const OpLayout& L, const char* x, char* out) : L_(L), x_(x), out_(out) {
+  // Scratch the op needs (codes of the whole array, one send and one receive piece); the caller
+  // keeps it cached across ops so no op pays for allocating and zero-filling megabytes.
+  static size_t scratch_bytes(const OpLayout& L) {
+    if (L.quant == Quant::kNone) return L.piece_elems * L.elem_size;
+    return (L.count + 2 * L.piece_elems) * L.quant_size;
+  }
+  CpuOps(const OpLayout& L, const char* x, char* out, char* scratch) : L_(L), x_(x), out_(out) {
     if (L.quant != Quant::kNone) {
-      sendq_.resize(L.piece_elems * L.quant_size);
-      recvbuf_.resize(L.piece_elems * L.quant_size);
-      agq_.resize(L.count * L.quant_size);
+      agq_ = scratch;
+      sendq_ = agq_ + L.count * L.quant_size;
+      recvbuf_ = sendq_ + L.piece_elems * L.quant_size;
       agmeta_.resize(L.num_qpieces);
+      range_.resize(L.num_qpieces);
     } else {
-      recvbuf_.resize(L.piece_elems * L.elem_size);
+      recvbuf_ = scratch;
     }
   }
 
@@ -562,9 +572,10 @@ class CpuOps final : public PieceOps {
         *nbytes = p.n * es;
         return src;
       }
-      *meta = quantize(src, sendq_.data(), p.n);
+      // step 0 quantises the input (range pass + codes); later steps reuse the range on_recv took
+      *meta = p.step == 0 ? quantize(src, sendq_, p.n) : quantize_range(src, sendq_, p.n, range_[p.qidx]);
       *nbytes = p.n * qs;
-      return sendq_.data();
+      return sendq_;
     }
     if (L_.quant == Quant::kNone) {
       *nbytes = p.n * es;
@@ -572,12 +583,12 @@ class CpuOps final : public PieceOps {
     }
     *meta = agmeta_[p.qidx];
     *nbytes = p.n * qs;
-    return agq_.data() + p.off * qs;
+    return agq_ + p.off * qs;
   }
 
   char* recv_target(const Piece& p) override {
-    if (L_.reduce_scatter(p)) return recvbuf_.data();
-    return L_.quant == Quant::kNone ? out_ + p.off * L_.elem_size : agq_.data() + p.off * L_.quant_size;
+    if (L_.reduce_scatter(p)) return recvbuf_;
+    return L_.quant == Quant::kNone ? out_ + p.off * L_.elem_size : agq_ + p.off * L_.quant_size;
   }
 
   void on_recv(const Piece& p, QMeta m) override {
@@ -585,20 +596,31 @@ class CpuOps final : public PieceOps {
     if (L_.reduce_scatter(p)) {
       bool last = L_.last_reduce(p);
       const T* xs = reinterpret_cast<const T*>(x_) + p.off;
-      if (L_.quant == Quant::kNone)
-        K::reduce(reinterpret_cast<const T*>(recvbuf_.data()), xs, os, p.n, L_.op, last, L_.world);
-      else if (L_.quant == Quant::kU8)
-        K::template reduce_q<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
+      if (L_.quant == Quant::kNone) {
+        K::reduce(reinterpret_cast<const T*>(recvbuf_), xs, os, p.n, L_.op, last, L_.world);
+        return;
+      }
+      // Reduce and take the range of the result in one pass: the next hop (or, on the owner, the
+      // single quantisation right below) needs exactly that range.
+      Range& rg = range_[p.qidx];
+      if (L_.quant == Quant::kU8)
+        K::template reduce_q_range<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf_), m, xs, os, p.n, L_.op,
+                                            last, L_.world, &rg.lo, &rg.hi);
       else
-        K::template reduce_q<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
-      if (last && L_.quant != Quant::kNone) {  // the owner's single quantisation; it keeps the same bytes
-        char* q = agq_.data() + p.off * L_.quant_size;
-        agmeta_[p.qidx] = quantize(reinterpret_cast<const char*>(os), q, p.n);
-        dequantize(q, agmeta_[p.qidx], os, p.n);
+        K::template reduce_q_range<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf_), m, xs, os, p.n,
+                                             L_.op, last, L_.world, &rg.lo, &rg.hi);
+      if (last) {  // the owner's single quantisation; it keeps the decoded values it sends
+        char* q = agq_ + p.off * L_.quant_size;
+        if (L_.quant == Quant::kU8)
+          agmeta_[p.qidx] = K::template quantize_dequantize<uint8_t>(os, reinterpret_cast<uint8_t*>(q), p.n, 255.0f,
+                                                                     rg.lo, rg.hi);
+        else
+          agmeta_[p.qidx] = K::template quantize_dequantize<uint16_t>(os, reinterpret_cast<uint16_t*>(q), p.n,
+                                                                      65535.0f, rg.lo, rg.hi);
       }
     } else if (L_.quant != Quant::kNone) {
       agmeta_[p.qidx] = m;
-      dequantize(agq_.data() + p.off * L_.quant_size, m, os, p.n);
+      dequantize(agq_ + p.off * L_.quant_size, m, os, p.n);
     }
   }
 
@@ -608,6 +630,12 @@ class CpuOps final : public PieceOps {
     if (L_.quant == Quant::kU8) return K::template quantize<uint8_t>(v, reinterpret_cast<uint8_t*>(dst), n, 255.0f);
     return K::template quantize<uint16_t>(v, reinterpret_cast<uint16_t*>(dst), n, 65535.0f);
   }
+  QMeta quantize_range(const char* src, char* dst, size_t n, Range rg) {
+    const T* v = reinterpret_cast<const T*>(src);
+    if (L_.quant == Quant::kU8)
+      return K::template quantize_range<uint8_t>(v, reinterpret_cast<uint8_t*>(dst), n, 255.0f, rg.lo, rg.hi);
+    return K::template quantize_range<uint16_t>(v, reinterpret_cast<uint16_t*>(dst), n, 65535.0f, rg.lo, rg.hi);
+  }
   void dequantize(const char* q, QMeta m, T* out, size_t n) {
     if (L_.quant == Quant::kU8) K::template dequantize<uint8_t>(reinterpret_cast<const uint8_t*>(q), m, out, n);
     else K::template dequantize<uint16_t>(reinterpret_cast<const uint16_t*>(q), m, out, n);
@@ -616,8 +644,9 @@ class CpuOps final : public PieceOps {
   OpLayout L_;
   const char* x_;
   char* out_;
-  std::vector<char> sendq_, recvbuf_, agq_;
+  char *sendq_ = nullptr, *recvbuf_ = nullptr, *agq_ = nullptr;
   std::vector<QMeta> agmeta_;
+  std::vector<Range> range_;  // per piece: range of the reduced values this peer forwards
 };
 
 struct OpRunner {
@@ -965,19 +994,22 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
   // Aliased in/out runs into a cached work buffer and commits with one memcpy at the end.
   bool aliased = nbytes > 0 && xb < ob + nbytes && ob < xb + nbytes;
   std::vector<char>* work = nullptr;
+  std::vector<char>* scratch = nullptr;
   char* target = ob;
   auto make = [&](const OpLayout& L) -> std::unique_ptr<PieceOps> {
     if (aliased) {
       work = take_work(nbytes);
       target = work->data();
     }
+    scratch = take_work(CpuOps<DType::kF32>::scratch_bytes(L));
+    char* sc = scratch->data();
     switch (L.dtype) {
-      case DType::kF32: return std::make_unique<CpuOps<DType::kF32>>(L, xb, target);
-      case DType::kF64: return std::make_unique<CpuOps<DType::kF64>>(L, xb, target);
-      case DType::kF16: return std::make_unique<CpuOps<DType::kF16>>(L, xb, target);
-      case DType::kBF16: return std::make_unique<CpuOps<DType::kBF16>>(L, xb, target);
-      case DType::kI32: return std::make_unique<CpuOps<DType::kI32>>(L, xb, target);
-      default: return std::make_unique<CpuOps<DType::kI64>>(L, xb, target);
+      case DType::kF32: return std::make_unique<CpuOps<DType::kF32>>(L, xb, target, sc);
+      case DType::kF64: return std::make_unique<CpuOps<DType::kF64>>(L, xb, target, sc);
+      case DType::kF16: return std::make_unique<CpuOps<DType::kF16>>(L, xb, target, sc);
+      case DType::kBF16: return std::make_unique<CpuOps<DType::kBF16>>(L, xb, target, sc);
+      case DType::kI32: return std::make_unique<CpuOps<DType::kI32>>(L, xb, target, sc);
+      default: return std::make_unique<CpuOps<DType::kI64>>(L, xb, target, sc);
     }
   };
   OpResult r = run_op(count, dtype, op, quant, tag, make, [&] {
@@ -987,6 +1019,7 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
     if (r.status == Status::kOk) std::memcpy(ob, work->data(), nbytes);  // commit: x overwritten only now
     give_work(work);
   }
+  if (scratch) give_work(scratch);
   return r;
 }
 
