@@ -111,13 +111,14 @@ inline void store_codes(uint16_t* q, const __m128i c[4]) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8), _mm_xor_si128(b, flip));
 }
 
-inline void fold(const __m128 lo[4], const __m128 hi[4], Range* rg) {
-  float l[16], h[16];
-  for (int k = 0; k < 4; ++k) {
+// Two lo/hi accumulator pairs: enough to hide the min/max latency without spilling registers.
+inline void fold(const __m128 lo[2], const __m128 hi[2], Range* rg) {
+  float l[8], h[8];
+  for (int k = 0; k < 2; ++k) {
     _mm_storeu_ps(l + 4 * k, lo[k]);
     _mm_storeu_ps(h + 4 * k, hi[k]);
   }
-  for (int k = 0; k < 16; ++k) {
+  for (int k = 0; k < 8; ++k) {
     rg->add_lo(l[k]);
     rg->add_hi(h[k]);
   }
@@ -128,8 +129,8 @@ template <Op O, bool LAST, bool RANGE, typename Q>
 inline size_t reduce_q(const Q* __restrict in, QMeta m, const float* __restrict x, float* __restrict out, size_t n,
                        int world, Range* rg) {
   const __m128 vlo = _mm_set1_ps(m.lo), vs = _mm_set1_ps(m.scale), vw = _mm_set1_ps(static_cast<float>(world));
-  __m128 lo[4], hi[4];
-  for (int k = 0; k < 4; ++k) {
+  __m128 lo[2], hi[2];
+  for (int k = 0; k < 2; ++k) {
     lo[k] = _mm_set1_ps(INFINITY);
     hi[k] = _mm_set1_ps(-INFINITY);
   }
@@ -142,8 +143,8 @@ inline size_t reduce_q(const Q* __restrict in, QMeta m, const float* __restrict 
       if constexpr (LAST) r = _mm_div_ps(r, vw);
       _mm_storeu_ps(out + i + 4 * k, r);
       if constexpr (RANGE) {
-        lo[k] = _mm_min_ps(r, lo[k]);  // r < lo ? r : lo (NaN r ignored)
-        hi[k] = _mm_max_ps(r, hi[k]);
+        lo[k & 1] = _mm_min_ps(r, lo[k & 1]);  // r < lo ? r : lo (NaN r ignored)
+        hi[k & 1] = _mm_max_ps(r, hi[k & 1]);
       }
     }
   }
@@ -185,8 +186,8 @@ inline size_t dequantize(const Q* __restrict q, QMeta m, float* __restrict out, 
 }
 
 inline size_t range(const float* v, size_t n, Range* rg) {
-  __m128 lo[4], hi[4];
-  for (int k = 0; k < 4; ++k) {
+  __m128 lo[2], hi[2];
+  for (int k = 0; k < 2; ++k) {
     lo[k] = _mm_set1_ps(INFINITY);
     hi[k] = _mm_set1_ps(-INFINITY);
   }
@@ -194,8 +195,8 @@ inline size_t range(const float* v, size_t n, Range* rg) {
   for (; i + 16 <= n; i += 16)
     for (int k = 0; k < 4; ++k) {
       __m128 x = _mm_loadu_ps(v + i + 4 * k);
-      lo[k] = _mm_min_ps(x, lo[k]);
-      hi[k] = _mm_max_ps(x, hi[k]);
+      lo[k & 1] = _mm_min_ps(x, lo[k & 1]);
+      hi[k & 1] = _mm_max_ps(x, hi[k & 1]);
     }
   fold(lo, hi, rg);
   return i;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -106,14 +107,17 @@ struct Link {
   double tokens = 0, last = 0;
 
   double burst() const { return std::max(65536.0, rate * 0.005); }
-  // Grants up to `want` bytes now (0 and a wait in seconds when the bucket is too low).
+  // Grants up to `want` bytes now (0 and a wait in seconds when the bucket is too low). Grants
+  // come in steps of >= 2 ms of traffic (64 KiB at least), so a capped sender wakes a few hundred
+  // times a second instead of once per 16 KiB; the 5 ms burst absorbs a late wake-up, so the cap
+  // is still reached.
   size_t take(size_t want, double* wait) {
     std::lock_guard<std::mutex> g(mu);
     if (rate <= 0) return want;
     double t = now_s();
     tokens = std::min(burst(), tokens + rate * (t - last));
     last = t;
-    double need = std::min<double>(want, 16384.0);
+    double need = std::min<double>(want, std::max(65536.0, rate * 0.002));
     if (tokens < need) {
       *wait = (need - tokens) / rate;
       return 0;
@@ -814,6 +818,7 @@ struct OpRunner {
     const char* spay = nullptr;
     size_t snb = 0, ssent = 0;
     double release_t = 0;
+    double pace_t = 0;  // emulated link: no tokens before this time
     // receive state: header + payload of recvs[ri]
     FrameHdr rh{};
     size_t rgot = 0;
@@ -838,13 +843,16 @@ struct OpRunner {
           }
         }
         if (prepared) {
-          if (now < release_t) wait = std::min(wait, release_t - now);
+          double ready = std::max(release_t, pace_t);
+          if (now < ready) wait = std::min(wait, ready - now);
           else want_out = true;
         }
       }
       pollfd fds[2] = {{out_fd, static_cast<short>(want_out ? POLLOUT : 0), 0},
                        {in_fd, static_cast<short>(ri < recvs.size() ? POLLIN : 0), 0}};
-      int rc = poll(fds, 2, static_cast<int>(wait * 1000) + (wait > 0 ? 1 : 0));
+      // ppoll: microsecond timeouts, so latency / pacing waits do not round up to whole ms
+      timespec ts{static_cast<time_t>(wait), static_cast<long>((wait - static_cast<double>(static_cast<time_t>(wait))) * 1e9)};
+      int rc = ppoll(fds, 2, &ts, nullptr);
       if (rc < 0 && errno != EINTR) throw TcpError(ErrKind::kConnection, std::string("poll: ") + strerror(errno));
       bool progress = false;
       if (want_out && (fds[0].revents & (POLLOUT | POLLERR | POLLHUP))) {
@@ -883,7 +891,7 @@ struct OpRunner {
             }
           }
         } else {
-          std::this_thread::sleep_for(std::chrono::duration<double>(std::min(tw, 0.01)));
+          pace_t = now_s() + tw;  // keep receiving while the emulated link refills
         }
       }
       if (ri < recvs.size() && (fds[1].revents & (POLLIN | POLLERR | POLLHUP))) {
