@@ -362,6 +362,97 @@ def test_link_emulation_limits_throughput_and_is_measured():
         close_all(eps)
 
 
+def _dead_address():
+    """host:port with nothing listening (connections are refused)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _connect_in_thread(ep, ring, idx, epoch):
+    box = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            ep.connect_ring(ring, idx, epoch)
+            box["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            box["error"] = e
+        box["t"] = time.monotonic()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+@pytest.mark.parametrize("stage", ["connecting", "accepting"])
+def test_abort_interrupts_connect_ring(stage):
+    """abort() during connect_ring (next peer refusing connections, or previous peer never
+    connecting) ends it promptly with RingAborted naming the peer; the next epoch still connects."""
+    a = RingEndpoint(timeout_s=30)
+    b = RingEndpoint(timeout_s=30)
+    try:
+        if stage == "connecting":
+            peer = _dead_address()
+            ring = [a.address, peer]
+        else:
+            peer = b.address  # b accepts a's connections but never connects back
+            ring = [a.address, b.address]
+        th, box = _connect_in_thread(a, ring, 0, 1)
+        time.sleep(0.4)
+        assert th.is_alive()  # still waiting for the peer
+        t_abort = time.monotonic()
+        a.abort()
+        th.join(5)
+        assert not th.is_alive()
+        assert box["t"] - t_abort < 1.0, box["t"] - t_abort
+        err = box["error"]
+        assert isinstance(err, RingAborted), repr(err)
+        assert "aborted" in str(err) and peer in str(err), str(err)
+        if stage == "accepting":
+            assert "previous peer" in str(err)
+        else:
+            assert "next peer" in str(err)
+            return
+        # abort ends only the connect in progress: both peers now form epoch 2 and reduce
+        parallel([lambda: a.connect_ring(ring, 0, 2), lambda: b.connect_ring(ring, 1, 2)])
+        res = parallel([lambda: a.all_reduce(np.full(5, 1.5, np.float32)),
+                        lambda: b.all_reduce(np.full(5, 2.0, np.float32))])
+        for r in res:
+            np.testing.assert_array_equal(r, np.full(5, 3.5, np.float32))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_close_interrupts_connect_ring():
+    a = RingEndpoint(timeout_s=30)
+    try:
+        th, box = _connect_in_thread(a, [a.address, _dead_address()], 0, 1)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        a.close()
+        th.join(5)
+        assert box["t"] - t0 < 1.0 and isinstance(box["error"], RingAborted), box
+    finally:
+        a.close()
+
+
+def test_connect_ring_timeout_names_the_peer():
+    a = RingEndpoint(timeout_s=0.5)
+    try:
+        dead = _dead_address()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            a.connect_ring([a.address, dead], 0, 1)
+        assert time.monotonic() - t0 < 2.0
+        assert dead in str(info.value) and "next peer" in str(info.value), str(info.value)
+    finally:
+        a.close()
+
+
 def test_wrong_secret_is_rejected():
     a = RingEndpoint(secret=b"right", timeout_s=3)
     b = RingEndpoint(secret=b"wrong", timeout_s=3)

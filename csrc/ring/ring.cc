@@ -67,11 +67,11 @@ crypto::Digest mac(const std::string& secret, const char* label, const uint8_t* 
 // Client side of the challenge-response: proves knowledge of the secret and checks the server's
 // proof; the secret itself never crosses the wire.
 void client_handshake(int fd, const std::string& peer, const std::string& secret, double timeout_s,
-                      const Hello& hello, const std::string& my_addr) {
+                      const Hello& hello, const std::string& my_addr, const std::atomic<bool>* abort_flag) {
   double dl = now_s() + timeout_s;
   std::string what = "authenticating to " + peer;
   uint8_t chal[36];
-  tcp::recv_all(fd, chal, sizeof(chal), dl, nullptr, what);
+  tcp::recv_all(fd, chal, sizeof(chal), dl, abort_flag, what);
   uint32_t magic;
   std::memcpy(&magic, chal, 4);
   if (magic != kAuthMagic) throw TcpError(ErrKind::kProtocol, what + ": not a jaxodc ring endpoint");
@@ -79,10 +79,10 @@ void client_handshake(int fd, const std::string& peer, const std::string& secret
   tcp::fill_random(reply, 32);
   crypto::Digest m = mac(secret, "client", chal + 4, reply);
   std::memcpy(reply + 32, m.data(), 32);
-  tcp::send_all(fd, reply, sizeof(reply), dl, nullptr, what);
+  tcp::send_all(fd, reply, sizeof(reply), dl, abort_flag, what);
   crypto::Digest server_proof;
   try {
-    tcp::recv_all(fd, server_proof.data(), 32, dl, nullptr, what);
+    tcp::recv_all(fd, server_proof.data(), 32, dl, abort_flag, what);
   } catch (const TcpError& e) {
     if (e.kind == ErrKind::kConnection)
       throw TcpError(ErrKind::kConnection, what + ": authentication rejected (wrong secret?)");
@@ -92,8 +92,8 @@ void client_handshake(int fd, const std::string& peer, const std::string& secret
     throw TcpError(ErrKind::kConnection, what + ": peer failed authentication (wrong secret?)");
   Hello h = hello;
   h.addr_len = static_cast<uint32_t>(my_addr.size());
-  tcp::send_all(fd, &h, sizeof(h), dl, nullptr, what);
-  tcp::send_all(fd, my_addr.data(), my_addr.size(), dl, nullptr, what);
+  tcp::send_all(fd, &h, sizeof(h), dl, abort_flag, what);
+  tcp::send_all(fd, my_addr.data(), my_addr.size(), dl, abort_flag, what);
 }
 
 }  // namespace
@@ -198,6 +198,7 @@ void Endpoint::close() {
   {
     std::lock_guard<std::mutex> g(mu_);
     rs = std::move(ring_);
+    for (auto* f : connecting_) f->store(true);
     for (int fd : handler_fds_) shut(fd);
     handlers.swap(handlers_);
     for (auto& [ep, v] : pending_)
@@ -325,6 +326,16 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
     int p;
     tcp::split_address(a, &h, &p);
   }
+  // abort() / close() set this flag; every wait below checks it at least every 50 ms.
+  std::atomic<bool> stop{false};
+  struct Registration {
+    Endpoint* ep;
+    std::atomic<bool>* flag;
+    ~Registration() {
+      std::lock_guard<std::mutex> g(ep->mu_);
+      ep->connecting_.erase(flag);
+    }
+  };
   std::shared_ptr<RingState> old;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -333,7 +344,9 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
       throw std::invalid_argument("connect_ring: epoch " + std::to_string(epoch) +
                                       " must be greater than the current epoch " + std::to_string(ring_->epoch));
     old = std::move(ring_);
+    connecting_.insert(&stop);
   }
+  Registration reg{this, &stop};
   if (old) teardown_ring(old);
   auto rs = std::make_shared<RingState>();
   rs->epoch = epoch;
@@ -344,27 +357,35 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
     rs->prev = ring[(my_index + W - 1) % W];
     if (pipe2(rs->wake, O_CLOEXEC | O_NONBLOCK) != 0)
       throw TcpError(ErrKind::kConnection, "pipe2 failed");
+    const std::string where = "connect_ring epoch " + std::to_string(epoch) + " on " + address_;
     double dl = now_s() + timeout_s_;
     try {
       for (int s = 0; s < pool_size_; ++s) {
-        int fd = tcp::connect_to(rs->next, std::max(0.01, dl - now_s()), nullptr);
-        rs->out_fds.push_back(fd);
-        Hello h{kHelloMagic, kKindRing, epoch, 0, static_cast<uint32_t>(s), 0};
-        client_handshake(fd, rs->next, secret_, std::max(0.01, dl - now_s()), h, ring[my_index]);
-        tcp::set_nonblocking(fd, true);
+        try {
+          int fd = tcp::connect_to(rs->next, std::max(0.01, dl - now_s()), &stop);
+          rs->out_fds.push_back(fd);
+          Hello h{kHelloMagic, kKindRing, epoch, 0, static_cast<uint32_t>(s), 0};
+          client_handshake(fd, rs->next, secret_, std::max(0.01, dl - now_s()), h, ring[my_index], &stop);
+        } catch (const TcpError& e) {
+          std::string what = e.kind == ErrKind::kAborted ? " aborted while connecting to next peer "
+                                                         : " could not connect to next peer ";
+          throw TcpError(e.kind, where + what + rs->next + " (connection " + std::to_string(s + 1) + " of " +
+                                     std::to_string(pool_size_) + "): " + e.what());
+        }
+        tcp::set_nonblocking(rs->out_fds.back(), true);
         rs->out_busy.push_back(false);
       }
       std::unique_lock<std::mutex> g(mu_);
-      auto have = [&] {
-        return pending_.count(epoch) && static_cast<int>(pending_[epoch].size()) >= pool_size_;
-      };
-      while (!have()) {
-        if (closing_) throw TcpError(ErrKind::kAborted, "endpoint closed during connect_ring");
+      auto got = [&] { return pending_.count(epoch) ? pending_[epoch].size() : size_t(0); };
+      while (got() < static_cast<size_t>(pool_size_)) {
+        auto waiting = [&] {
+          return " waiting for " + std::to_string(pool_size_) + " connections from previous peer " + rs->prev +
+                 " (got " + std::to_string(got()) + ")";
+        };
+        if (closing_) throw TcpError(ErrKind::kAborted, where + ": endpoint closed while" + waiting());
+        if (stop) throw TcpError(ErrKind::kAborted, where + " aborted while" + waiting());
         if (now_s() > dl)
-          throw TcpError(ErrKind::kTimeout,
-                         "connect_ring epoch " + std::to_string(epoch) + ": timed out waiting for " +
-                             std::to_string(pool_size_) + " connections from previous peer " + rs->prev +
-                             " (got " + std::to_string(pending_.count(epoch) ? pending_[epoch].size() : 0) + ")");
+          throw TcpError(ErrKind::kTimeout, where + " timed out after " + std::to_string(timeout_s_) + " s" + waiting());
         cv_.wait_for(g, std::chrono::milliseconds(50));
       }
       auto conns = std::move(pending_[epoch]);
@@ -386,9 +407,9 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
         rs->in_state.push_back(0);
       }
       if (!bad.empty())
-        throw TcpError(ErrKind::kConnection, "connect_ring epoch " + std::to_string(epoch) +
-                                                 ": expected connections from previous peer " + rs->prev +
+        throw TcpError(ErrKind::kConnection, where + ": expected connections from previous peer " + rs->prev +
                                                  ", got one from " + bad);
+      if (stop) throw TcpError(ErrKind::kAborted, where + " aborted");
       ring_ = rs;
     } catch (...) {
       rs->shut_all();
@@ -477,7 +498,7 @@ double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {
   int fd = tcp::connect_to(peer, timeout_s_, &closing_);
   struct Closer { int fd; ~Closer() { ::close(fd); } } closer{fd};
   Hello h{kHelloMagic, kKindProbe, 0, nbytes, 0, 0};
-  client_handshake(fd, peer, secret_, timeout_s_, h, address_);
+  client_handshake(fd, peer, secret_, timeout_s_, h, address_, &closing_);
   tcp::set_nonblocking(fd, true);
   std::vector<char> buf(std::min<size_t>(nbytes, 1 << 20), 0);
   double t0 = now_s();
@@ -529,7 +550,9 @@ void Endpoint::abort() {
   {
     std::lock_guard<std::mutex> g(mu_);
     rs = ring_;
+    for (auto* f : connecting_) f->store(true);
   }
+  cv_.notify_all();  // connect_ring waiting for incoming connections
   if (!rs) return;
   {
     std::lock_guard<std::mutex> g(rs->mu);
