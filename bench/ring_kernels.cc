@@ -2,6 +2,8 @@
 // per f32 element, and the modelled per-rank kernel time of one quantised all-reduce.
 //   g++ -O3 -std=c++17 -Icsrc bench/ring_kernels.cc -o /tmp/ring_kernels && /tmp/ring_kernels [MB] [W]
 // Pieces are processed one at a time (1 MiB of f32 each, the ring's default) like the ring does.
+// Compiled against an older host_kernels.h (no JAXODC_RING_FUSED_KERNELS) it times the unfused
+// sequence only, which gives the before/after comparison.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
