@@ -216,6 +216,55 @@ def test_quantized_bit_identical_and_bounded(rings, quant, levels, dt):
             e.set_piece_bytes(1 << 20)
 
 
+def quantized_ring_reference(xs, op, levels, piece_elems):
+    """Exact model of quantised transfer, one f32 IEEE operation at a time: every piece is sent as
+    min-max codes of the stored partial (code = trunc(clip((v - lo) * inv + 0.5, 0, levels)),
+    value = lo + code * scale), the next peer combines the decoded value with its own, and the
+    owner's codes of the final chunk are what everyone decodes."""
+    W, dt, n = len(xs), xs[0].dtype, xs[0].size
+    f32, L = np.float32, np.float32(levels)
+
+    def quant(v):
+        lo, hi = v.min(), v.max()
+        scale = (hi - lo) / L
+        inv = L / (hi - lo) if hi > lo else f32(0)
+        t = np.minimum(np.maximum((v - lo) * inv + f32(0.5), f32(0)), L)
+        return t.astype(np.int32).astype(f32), lo, scale
+
+    out = np.empty(n, dt)
+    for c in range(W):
+        s, e = n * c // W, n * (c + 1) // W
+        for o in range(s, e, piece_elems):
+            sl = slice(o, min(o + piece_elems, e))
+            q, lo, scale = quant(xs[c][sl].astype(f32))
+            for k in range(1, W):
+                r = combine(op, lo + q * scale, xs[(c + k) % W][sl].astype(f32))
+                if k == W - 1 and op == "avg":
+                    r = r / f32(W)
+                q, lo, scale = quant(r.astype(dt).astype(f32))
+            out[sl] = (lo + q * scale).astype(dt)
+    return out
+
+
+@pytest.mark.parametrize("dt,op,quant", [(np.dtype(np.float32), "sum", "uint8"), (np.dtype(np.float32), "avg", "uint16"),
+                                         (np.dtype(np.float32), "max", "uint8"), (BF16, "avg", "uint8")])
+def test_quantized_matches_exact_model(rings, dt, op, quant):
+    """The vectorised, fused host kernels compute exactly the scalar formulas (tails included)."""
+    W = 3
+    eps = rings(W)
+    for e in eps:
+        e.set_piece_bytes(4000)  # pieces that are not a multiple of the 16-element vector block
+    try:
+        xs = [np.random.default_rng(90 + i).standard_normal(30_007).astype(dt) for i in range(W)]
+        res = run_all(eps, xs, op=op, quantize=quant, tag=5)
+        want = quantized_ring_reference(xs, op, 255 if quant == "uint8" else 65535, 4000 // dt.itemsize)
+        for r in res:
+            np.testing.assert_array_equal(bits(r), bits(want))
+    finally:
+        for e in eps:
+            e.set_piece_bytes(1 << 20)
+
+
 def test_quantize_rejects_integers(rings):
     with pytest.raises(ValueError, match="floating"):
         rings(2)[0].all_reduce(np.zeros(4, np.int32), quantize="uint8")
@@ -311,6 +360,97 @@ def test_link_emulation_limits_throughput_and_is_measured():
         assert eps[0].measure_bandwidth(eps[1].address, nbytes=1 << 20) > 3 * rate
     finally:
         close_all(eps)
+
+
+def _dead_address():
+    """host:port with nothing listening (connections are refused)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _connect_in_thread(ep, ring, idx, epoch):
+    box = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            ep.connect_ring(ring, idx, epoch)
+            box["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            box["error"] = e
+        box["t"] = time.monotonic()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+@pytest.mark.parametrize("stage", ["connecting", "accepting"])
+def test_abort_interrupts_connect_ring(stage):
+    """abort() during connect_ring (next peer refusing connections, or previous peer never
+    connecting) ends it promptly with RingAborted naming the peer; the next epoch still connects."""
+    a = RingEndpoint(timeout_s=30)
+    b = RingEndpoint(timeout_s=30)
+    try:
+        if stage == "connecting":
+            peer = _dead_address()
+            ring = [a.address, peer]
+        else:
+            peer = b.address  # b accepts a's connections but never connects back
+            ring = [a.address, b.address]
+        th, box = _connect_in_thread(a, ring, 0, 1)
+        time.sleep(0.4)
+        assert th.is_alive()  # still waiting for the peer
+        t_abort = time.monotonic()
+        a.abort()
+        th.join(5)
+        assert not th.is_alive()
+        assert box["t"] - t_abort < 1.0, box["t"] - t_abort
+        err = box["error"]
+        assert isinstance(err, RingAborted), repr(err)
+        assert "aborted" in str(err) and peer in str(err), str(err)
+        if stage == "accepting":
+            assert "previous peer" in str(err)
+        else:
+            assert "next peer" in str(err)
+            return
+        # abort ends only the connect in progress: both peers now form epoch 2 and reduce
+        parallel([lambda: a.connect_ring(ring, 0, 2), lambda: b.connect_ring(ring, 1, 2)])
+        res = parallel([lambda: a.all_reduce(np.full(5, 1.5, np.float32)),
+                        lambda: b.all_reduce(np.full(5, 2.0, np.float32))])
+        for r in res:
+            np.testing.assert_array_equal(r, np.full(5, 3.5, np.float32))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_close_interrupts_connect_ring():
+    a = RingEndpoint(timeout_s=30)
+    try:
+        th, box = _connect_in_thread(a, [a.address, _dead_address()], 0, 1)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        a.close()
+        th.join(5)
+        assert box["t"] - t0 < 1.0 and isinstance(box["error"], RingAborted), box
+    finally:
+        a.close()
+
+
+def test_connect_ring_timeout_names_the_peer():
+    a = RingEndpoint(timeout_s=0.5)
+    try:
+        dead = _dead_address()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            a.connect_ring([a.address, dead], 0, 1)
+        assert time.monotonic() - t0 < 2.0
+        assert dead in str(info.value) and "next peer" in str(info.value), str(info.value)
+    finally:
+        a.close()
 
 
 def test_wrong_secret_is_rejected():

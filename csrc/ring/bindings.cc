@@ -72,10 +72,20 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("address", &Endpoint::address)
       .def_prop_ro("handle", &Endpoint::handle)
       .def_prop_ro("world", &Endpoint::world)
+      // (status, message) with the all_reduce status codes, so Python raises RingAborted /
+      // TimeoutError / ConnectionError by kind rather than by parsing text; bad arguments raise.
       .def("connect_ring",
            [](Endpoint& ep, std::vector<std::string> ring, int my_index, uint64_t epoch) {
              nb::gil_scoped_release nogil;
-             ep.connect_ring(ring, my_index, epoch);
+             try {
+               ep.connect_ring(ring, my_index, epoch);
+             } catch (const tcp::TcpError& e) {
+               ring::Status st = e.kind == tcp::ErrKind::kAborted   ? ring::Status::kAborted
+                                 : e.kind == tcp::ErrKind::kTimeout ? ring::Status::kTimeout
+                                                                    : ring::Status::kConnection;
+               return std::make_pair(static_cast<int>(st), std::string(e.what()));
+             }
+             return std::make_pair(0, std::string());
            })
       .def("all_reduce",
            [](Endpoint& ep, ByteIn x, ByteOut out, size_t count, int dtype, int op, int quant, uint32_t tag) {

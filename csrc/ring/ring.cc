@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -66,11 +67,11 @@ crypto::Digest mac(const std::string& secret, const char* label, const uint8_t* 
 // Client side of the challenge-response: proves knowledge of the secret and checks the server's
 // proof; the secret itself never crosses the wire.
 void client_handshake(int fd, const std::string& peer, const std::string& secret, double timeout_s,
-                      const Hello& hello, const std::string& my_addr) {
+                      const Hello& hello, const std::string& my_addr, const std::atomic<bool>* abort_flag) {
   double dl = now_s() + timeout_s;
   std::string what = "authenticating to " + peer;
   uint8_t chal[36];
-  tcp::recv_all(fd, chal, sizeof(chal), dl, nullptr, what);
+  tcp::recv_all(fd, chal, sizeof(chal), dl, abort_flag, what);
   uint32_t magic;
   std::memcpy(&magic, chal, 4);
   if (magic != kAuthMagic) throw TcpError(ErrKind::kProtocol, what + ": not a jaxodc ring endpoint");
@@ -78,10 +79,10 @@ void client_handshake(int fd, const std::string& peer, const std::string& secret
   tcp::fill_random(reply, 32);
   crypto::Digest m = mac(secret, "client", chal + 4, reply);
   std::memcpy(reply + 32, m.data(), 32);
-  tcp::send_all(fd, reply, sizeof(reply), dl, nullptr, what);
+  tcp::send_all(fd, reply, sizeof(reply), dl, abort_flag, what);
   crypto::Digest server_proof;
   try {
-    tcp::recv_all(fd, server_proof.data(), 32, dl, nullptr, what);
+    tcp::recv_all(fd, server_proof.data(), 32, dl, abort_flag, what);
   } catch (const TcpError& e) {
     if (e.kind == ErrKind::kConnection)
       throw TcpError(ErrKind::kConnection, what + ": authentication rejected (wrong secret?)");
@@ -91,8 +92,8 @@ void client_handshake(int fd, const std::string& peer, const std::string& secret
     throw TcpError(ErrKind::kConnection, what + ": peer failed authentication (wrong secret?)");
   Hello h = hello;
   h.addr_len = static_cast<uint32_t>(my_addr.size());
-  tcp::send_all(fd, &h, sizeof(h), dl, nullptr, what);
-  tcp::send_all(fd, my_addr.data(), my_addr.size(), dl, nullptr, what);
+  tcp::send_all(fd, &h, sizeof(h), dl, abort_flag, what);
+  tcp::send_all(fd, my_addr.data(), my_addr.size(), dl, abort_flag, what);
 }
 
 }  // namespace
@@ -106,14 +107,17 @@ struct Link {
   double tokens = 0, last = 0;
 
   double burst() const { return std::max(65536.0, rate * 0.005); }
-  // Grants up to `want` bytes now (0 and a wait in seconds when the bucket is too low).
+  // Grants up to `want` bytes now (0 and a wait in seconds when the bucket is too low). Grants
+  // come in steps of >= 2 ms of traffic (64 KiB at least), so a capped sender wakes a few hundred
+  // times a second instead of once per 16 KiB; the 5 ms burst absorbs a late wake-up, so the cap
+  // is still reached.
   size_t take(size_t want, double* wait) {
     std::lock_guard<std::mutex> g(mu);
     if (rate <= 0) return want;
     double t = now_s();
     tokens = std::min(burst(), tokens + rate * (t - last));
     last = t;
-    double need = std::min<double>(want, 16384.0);
+    double need = std::min<double>(want, std::max(65536.0, rate * 0.002));
     if (tokens < need) {
       *wait = (need - tokens) / rate;
       return 0;
@@ -194,6 +198,7 @@ void Endpoint::close() {
   {
     std::lock_guard<std::mutex> g(mu_);
     rs = std::move(ring_);
+    for (auto* f : connecting_) f->store(true);
     for (int fd : handler_fds_) shut(fd);
     handlers.swap(handlers_);
     for (auto& [ep, v] : pending_)
@@ -321,6 +326,16 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
     int p;
     tcp::split_address(a, &h, &p);
   }
+  // abort() / close() set this flag; every wait below checks it at least every 50 ms.
+  std::atomic<bool> stop{false};
+  struct Registration {
+    Endpoint* ep;
+    std::atomic<bool>* flag;
+    ~Registration() {
+      std::lock_guard<std::mutex> g(ep->mu_);
+      ep->connecting_.erase(flag);
+    }
+  };
   std::shared_ptr<RingState> old;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -329,7 +344,9 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
       throw std::invalid_argument("connect_ring: epoch " + std::to_string(epoch) +
                                       " must be greater than the current epoch " + std::to_string(ring_->epoch));
     old = std::move(ring_);
+    connecting_.insert(&stop);
   }
+  Registration reg{this, &stop};
   if (old) teardown_ring(old);
   auto rs = std::make_shared<RingState>();
   rs->epoch = epoch;
@@ -340,27 +357,35 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
     rs->prev = ring[(my_index + W - 1) % W];
     if (pipe2(rs->wake, O_CLOEXEC | O_NONBLOCK) != 0)
       throw TcpError(ErrKind::kConnection, "pipe2 failed");
+    const std::string where = "connect_ring epoch " + std::to_string(epoch) + " on " + address_;
     double dl = now_s() + timeout_s_;
     try {
       for (int s = 0; s < pool_size_; ++s) {
-        int fd = tcp::connect_to(rs->next, std::max(0.01, dl - now_s()), nullptr);
-        rs->out_fds.push_back(fd);
-        Hello h{kHelloMagic, kKindRing, epoch, 0, static_cast<uint32_t>(s), 0};
-        client_handshake(fd, rs->next, secret_, std::max(0.01, dl - now_s()), h, ring[my_index]);
-        tcp::set_nonblocking(fd, true);
+        try {
+          int fd = tcp::connect_to(rs->next, std::max(0.01, dl - now_s()), &stop);
+          rs->out_fds.push_back(fd);
+          Hello h{kHelloMagic, kKindRing, epoch, 0, static_cast<uint32_t>(s), 0};
+          client_handshake(fd, rs->next, secret_, std::max(0.01, dl - now_s()), h, ring[my_index], &stop);
+        } catch (const TcpError& e) {
+          std::string what = e.kind == ErrKind::kAborted ? " aborted while connecting to next peer "
+                                                         : " could not connect to next peer ";
+          throw TcpError(e.kind, where + what + rs->next + " (connection " + std::to_string(s + 1) + " of " +
+                                     std::to_string(pool_size_) + "): " + e.what());
+        }
+        tcp::set_nonblocking(rs->out_fds.back(), true);
         rs->out_busy.push_back(false);
       }
       std::unique_lock<std::mutex> g(mu_);
-      auto have = [&] {
-        return pending_.count(epoch) && static_cast<int>(pending_[epoch].size()) >= pool_size_;
-      };
-      while (!have()) {
-        if (closing_) throw TcpError(ErrKind::kAborted, "endpoint closed during connect_ring");
+      auto got = [&] { return pending_.count(epoch) ? pending_[epoch].size() : size_t(0); };
+      while (got() < static_cast<size_t>(pool_size_)) {
+        auto waiting = [&] {
+          return " waiting for " + std::to_string(pool_size_) + " connections from previous peer " + rs->prev +
+                 " (got " + std::to_string(got()) + ")";
+        };
+        if (closing_) throw TcpError(ErrKind::kAborted, where + ": endpoint closed while" + waiting());
+        if (stop) throw TcpError(ErrKind::kAborted, where + " aborted while" + waiting());
         if (now_s() > dl)
-          throw TcpError(ErrKind::kTimeout,
-                         "connect_ring epoch " + std::to_string(epoch) + ": timed out waiting for " +
-                             std::to_string(pool_size_) + " connections from previous peer " + rs->prev +
-                             " (got " + std::to_string(pending_.count(epoch) ? pending_[epoch].size() : 0) + ")");
+          throw TcpError(ErrKind::kTimeout, where + " timed out after " + std::to_string(timeout_s_) + " s" + waiting());
         cv_.wait_for(g, std::chrono::milliseconds(50));
       }
       auto conns = std::move(pending_[epoch]);
@@ -382,9 +407,9 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
         rs->in_state.push_back(0);
       }
       if (!bad.empty())
-        throw TcpError(ErrKind::kConnection, "connect_ring epoch " + std::to_string(epoch) +
-                                                 ": expected connections from previous peer " + rs->prev +
+        throw TcpError(ErrKind::kConnection, where + ": expected connections from previous peer " + rs->prev +
                                                  ", got one from " + bad);
+      if (stop) throw TcpError(ErrKind::kAborted, where + " aborted");
       ring_ = rs;
     } catch (...) {
       rs->shut_all();
@@ -473,7 +498,7 @@ double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {
   int fd = tcp::connect_to(peer, timeout_s_, &closing_);
   struct Closer { int fd; ~Closer() { ::close(fd); } } closer{fd};
   Hello h{kHelloMagic, kKindProbe, 0, nbytes, 0, 0};
-  client_handshake(fd, peer, secret_, timeout_s_, h, address_);
+  client_handshake(fd, peer, secret_, timeout_s_, h, address_, &closing_);
   tcp::set_nonblocking(fd, true);
   std::vector<char> buf(std::min<size_t>(nbytes, 1 << 20), 0);
   double t0 = now_s();
@@ -502,12 +527,15 @@ double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {
 
 std::vector<char>* Endpoint::take_work(size_t n) {
   std::lock_guard<std::mutex> g(mu_);
+  size_t best = work_free_.size();  // smallest cached buffer that fits, so small scratch never takes a big one
   for (size_t i = 0; i < work_free_.size(); ++i)
-    if (work_free_[i]->size() >= n) {
-      auto* w = work_free_[i].release();
-      work_free_.erase(work_free_.begin() + i);
-      return w;
-    }
+    if (work_free_[i]->size() >= n && (best == work_free_.size() || work_free_[i]->size() < work_free_[best]->size()))
+      best = i;
+  if (best < work_free_.size()) {
+    auto* w = work_free_[best].release();
+    work_free_.erase(work_free_.begin() + best);
+    return w;
+  }
   return new std::vector<char>(n);
 }
 
@@ -522,7 +550,9 @@ void Endpoint::abort() {
   {
     std::lock_guard<std::mutex> g(mu_);
     rs = ring_;
+    for (auto* f : connecting_) f->store(true);
   }
+  cv_.notify_all();  // connect_ring waiting for incoming connections
   if (!rs) return;
   {
     std::lock_guard<std::mutex> g(rs->mu);
@@ -543,14 +573,21 @@ class CpuOps final : public PieceOps {
   using K = Kernels<D>;
 
  public:
-  CpuOps(const OpLayout& L, const char* x, char* out) : L_(L), x_(x), out_(out) {
+  // Scratch the op needs (codes of the whole array, one send and one receive piece); the caller
+  // keeps it cached across ops so no op pays for allocating and zero-filling megabytes.
+  static size_t scratch_bytes(const OpLayout& L) {
+    if (L.quant == Quant::kNone) return L.piece_elems * L.elem_size;
+    return (L.count + 2 * L.piece_elems) * L.quant_size;
+  }
+  CpuOps(const OpLayout& L, const char* x, char* out, char* scratch) : L_(L), x_(x), out_(out) {
     if (L.quant != Quant::kNone) {
-      sendq_.resize(L.piece_elems * L.quant_size);
-      recvbuf_.resize(L.piece_elems * L.quant_size);
-      agq_.resize(L.count * L.quant_size);
+      agq_ = scratch;
+      sendq_ = agq_ + L.count * L.quant_size;
+      recvbuf_ = sendq_ + L.piece_elems * L.quant_size;
       agmeta_.resize(L.num_qpieces);
+      range_.resize(L.num_qpieces);
     } else {
-      recvbuf_.resize(L.piece_elems * L.elem_size);
+      recvbuf_ = scratch;
     }
   }
 
@@ -562,9 +599,10 @@ class CpuOps final : public PieceOps {
         *nbytes = p.n * es;
         return src;
       }
-      *meta = quantize(src, sendq_.data(), p.n);
+      // step 0 quantises the input (range pass + codes); later steps reuse the range on_recv took
+      *meta = p.step == 0 ? quantize(src, sendq_, p.n) : quantize_range(src, sendq_, p.n, range_[p.qidx]);
       *nbytes = p.n * qs;
-      return sendq_.data();
+      return sendq_;
     }
     if (L_.quant == Quant::kNone) {
       *nbytes = p.n * es;
@@ -572,12 +610,12 @@ class CpuOps final : public PieceOps {
     }
     *meta = agmeta_[p.qidx];
     *nbytes = p.n * qs;
-    return agq_.data() + p.off * qs;
+    return agq_ + p.off * qs;
   }
 
   char* recv_target(const Piece& p) override {
-    if (L_.reduce_scatter(p)) return recvbuf_.data();
-    return L_.quant == Quant::kNone ? out_ + p.off * L_.elem_size : agq_.data() + p.off * L_.quant_size;
+    if (L_.reduce_scatter(p)) return recvbuf_;
+    return L_.quant == Quant::kNone ? out_ + p.off * L_.elem_size : agq_ + p.off * L_.quant_size;
   }
 
   void on_recv(const Piece& p, QMeta m) override {
@@ -585,20 +623,31 @@ class CpuOps final : public PieceOps {
     if (L_.reduce_scatter(p)) {
       bool last = L_.last_reduce(p);
       const T* xs = reinterpret_cast<const T*>(x_) + p.off;
-      if (L_.quant == Quant::kNone)
-        K::reduce(reinterpret_cast<const T*>(recvbuf_.data()), xs, os, p.n, L_.op, last, L_.world);
-      else if (L_.quant == Quant::kU8)
-        K::template reduce_q<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
+      if (L_.quant == Quant::kNone) {
+        K::reduce(reinterpret_cast<const T*>(recvbuf_), xs, os, p.n, L_.op, last, L_.world);
+        return;
+      }
+      // Reduce and take the range of the result in one pass: the next hop (or, on the owner, the
+      // single quantisation right below) needs exactly that range.
+      Range& rg = range_[p.qidx];
+      if (L_.quant == Quant::kU8)
+        K::template reduce_q_range<uint8_t>(reinterpret_cast<const uint8_t*>(recvbuf_), m, xs, os, p.n, L_.op,
+                                            last, L_.world, &rg.lo, &rg.hi);
       else
-        K::template reduce_q<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf_.data()), m, xs, os, p.n, L_.op, last, L_.world);
-      if (last && L_.quant != Quant::kNone) {  // the owner's single quantisation; it keeps the same bytes
-        char* q = agq_.data() + p.off * L_.quant_size;
-        agmeta_[p.qidx] = quantize(reinterpret_cast<const char*>(os), q, p.n);
-        dequantize(q, agmeta_[p.qidx], os, p.n);
+        K::template reduce_q_range<uint16_t>(reinterpret_cast<const uint16_t*>(recvbuf_), m, xs, os, p.n,
+                                             L_.op, last, L_.world, &rg.lo, &rg.hi);
+      if (last) {  // the owner's single quantisation; it keeps the decoded values it sends
+        char* q = agq_ + p.off * L_.quant_size;
+        if (L_.quant == Quant::kU8)
+          agmeta_[p.qidx] = K::template quantize_dequantize<uint8_t>(os, reinterpret_cast<uint8_t*>(q), p.n, 255.0f,
+                                                                     rg.lo, rg.hi);
+        else
+          agmeta_[p.qidx] = K::template quantize_dequantize<uint16_t>(os, reinterpret_cast<uint16_t*>(q), p.n,
+                                                                      65535.0f, rg.lo, rg.hi);
       }
     } else if (L_.quant != Quant::kNone) {
       agmeta_[p.qidx] = m;
-      dequantize(agq_.data() + p.off * L_.quant_size, m, os, p.n);
+      dequantize(agq_ + p.off * L_.quant_size, m, os, p.n);
     }
   }
 
@@ -608,6 +657,12 @@ class CpuOps final : public PieceOps {
     if (L_.quant == Quant::kU8) return K::template quantize<uint8_t>(v, reinterpret_cast<uint8_t*>(dst), n, 255.0f);
     return K::template quantize<uint16_t>(v, reinterpret_cast<uint16_t*>(dst), n, 65535.0f);
   }
+  QMeta quantize_range(const char* src, char* dst, size_t n, Range rg) {
+    const T* v = reinterpret_cast<const T*>(src);
+    if (L_.quant == Quant::kU8)
+      return K::template quantize_range<uint8_t>(v, reinterpret_cast<uint8_t*>(dst), n, 255.0f, rg.lo, rg.hi);
+    return K::template quantize_range<uint16_t>(v, reinterpret_cast<uint16_t*>(dst), n, 65535.0f, rg.lo, rg.hi);
+  }
   void dequantize(const char* q, QMeta m, T* out, size_t n) {
     if (L_.quant == Quant::kU8) K::template dequantize<uint8_t>(reinterpret_cast<const uint8_t*>(q), m, out, n);
     else K::template dequantize<uint16_t>(reinterpret_cast<const uint16_t*>(q), m, out, n);
@@ -616,8 +671,9 @@ class CpuOps final : public PieceOps {
   OpLayout L_;
   const char* x_;
   char* out_;
-  std::vector<char> sendq_, recvbuf_, agq_;
+  char *sendq_ = nullptr, *recvbuf_ = nullptr, *agq_ = nullptr;
   std::vector<QMeta> agmeta_;
+  std::vector<Range> range_;  // per piece: range of the reduced values this peer forwards
 };
 
 struct OpRunner {
@@ -785,6 +841,7 @@ struct OpRunner {
     const char* spay = nullptr;
     size_t snb = 0, ssent = 0;
     double release_t = 0;
+    double pace_t = 0;  // emulated link: no tokens before this time
     // receive state: header + payload of recvs[ri]
     FrameHdr rh{};
     size_t rgot = 0;
@@ -809,13 +866,16 @@ struct OpRunner {
           }
         }
         if (prepared) {
-          if (now < release_t) wait = std::min(wait, release_t - now);
+          double ready = std::max(release_t, pace_t);
+          if (now < ready) wait = std::min(wait, ready - now);
           else want_out = true;
         }
       }
       pollfd fds[2] = {{out_fd, static_cast<short>(want_out ? POLLOUT : 0), 0},
                        {in_fd, static_cast<short>(ri < recvs.size() ? POLLIN : 0), 0}};
-      int rc = poll(fds, 2, static_cast<int>(wait * 1000) + (wait > 0 ? 1 : 0));
+      // ppoll: microsecond timeouts, so latency / pacing waits do not round up to whole ms
+      timespec ts{static_cast<time_t>(wait), static_cast<long>((wait - static_cast<double>(static_cast<time_t>(wait))) * 1e9)};
+      int rc = ppoll(fds, 2, &ts, nullptr);
       if (rc < 0 && errno != EINTR) throw TcpError(ErrKind::kConnection, std::string("poll: ") + strerror(errno));
       bool progress = false;
       if (want_out && (fds[0].revents & (POLLOUT | POLLERR | POLLHUP))) {
@@ -854,7 +914,7 @@ struct OpRunner {
             }
           }
         } else {
-          std::this_thread::sleep_for(std::chrono::duration<double>(std::min(tw, 0.01)));
+          pace_t = now_s() + tw;  // keep receiving while the emulated link refills
         }
       }
       if (ri < recvs.size() && (fds[1].revents & (POLLIN | POLLERR | POLLHUP))) {
@@ -965,19 +1025,22 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
   // Aliased in/out runs into a cached work buffer and commits with one memcpy at the end.
   bool aliased = nbytes > 0 && xb < ob + nbytes && ob < xb + nbytes;
   std::vector<char>* work = nullptr;
+  std::vector<char>* scratch = nullptr;
   char* target = ob;
   auto make = [&](const OpLayout& L) -> std::unique_ptr<PieceOps> {
     if (aliased) {
       work = take_work(nbytes);
       target = work->data();
     }
+    scratch = take_work(CpuOps<DType::kF32>::scratch_bytes(L));
+    char* sc = scratch->data();
     switch (L.dtype) {
-      case DType::kF32: return std::make_unique<CpuOps<DType::kF32>>(L, xb, target);
-      case DType::kF64: return std::make_unique<CpuOps<DType::kF64>>(L, xb, target);
-      case DType::kF16: return std::make_unique<CpuOps<DType::kF16>>(L, xb, target);
-      case DType::kBF16: return std::make_unique<CpuOps<DType::kBF16>>(L, xb, target);
-      case DType::kI32: return std::make_unique<CpuOps<DType::kI32>>(L, xb, target);
-      default: return std::make_unique<CpuOps<DType::kI64>>(L, xb, target);
+      case DType::kF32: return std::make_unique<CpuOps<DType::kF32>>(L, xb, target, sc);
+      case DType::kF64: return std::make_unique<CpuOps<DType::kF64>>(L, xb, target, sc);
+      case DType::kF16: return std::make_unique<CpuOps<DType::kF16>>(L, xb, target, sc);
+      case DType::kBF16: return std::make_unique<CpuOps<DType::kBF16>>(L, xb, target, sc);
+      case DType::kI32: return std::make_unique<CpuOps<DType::kI32>>(L, xb, target, sc);
+      default: return std::make_unique<CpuOps<DType::kI64>>(L, xb, target, sc);
     }
   };
   OpResult r = run_op(count, dtype, op, quant, tag, make, [&] {
@@ -987,6 +1050,7 @@ OpResult Endpoint::all_reduce(const void* x, void* out, size_t count, DType dtyp
     if (r.status == Status::kOk) std::memcpy(ob, work->data(), nbytes);  // commit: x overwritten only now
     give_work(work);
   }
+  if (scratch) give_work(scratch);
   return r;
 }
 

@@ -54,7 +54,8 @@ class Endpoint {
   Endpoint& operator=(const Endpoint&) = delete;
 
   const std::string& address() const { return address_; }
-  // Throws tcp::TcpError or std::invalid_argument.
+  // Throws tcp::TcpError (naming the peer it waited for) or std::invalid_argument. Bounded by
+  // timeout_s; abort() or close() during the call ends it within ~50 ms with kind kAborted.
   void connect_ring(const std::vector<std::string>& ring, int my_index, uint64_t epoch);
   // Blocking; thread-safe (several may run concurrently). out may alias x.
   OpResult all_reduce(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant,
@@ -67,6 +68,7 @@ class Endpoint {
   // out must not alias x.
   OpResult all_reduce_staged(const void* x, void* out, size_t count, DType dtype, Op op, Quant quant,
                              uint32_t tag);
+  // Ends in-flight all-reduces (caller's buffers restored) and any connect_ring in progress.
   void abort();
   void set_link(const std::string& peer, double bandwidth_bytes_per_s, double latency_s);
   double measure_bandwidth(const std::string& peer, size_t nbytes);
@@ -98,7 +100,7 @@ class Endpoint {
   std::atomic<bool> closing_{false};
   std::thread acceptor_;
 
-  std::mutex mu_;  // ring_, pending_, handlers_, links_, work_
+  std::mutex mu_;  // ring_, pending_, handlers_, links_, work_, connecting_
   std::condition_variable cv_;
   std::shared_ptr<RingState> ring_;
   struct Pending { int fd; uint32_t slot; std::string src; };
@@ -107,6 +109,7 @@ class Endpoint {
   std::vector<Handler> handlers_;  // finished ones are reaped by the acceptor
   std::set<int> handler_fds_;
   std::map<std::string, std::shared_ptr<Link>> links_;
+  std::set<std::atomic<bool>*> connecting_;  // abort flags of connect_ring calls in progress
   std::vector<std::unique_ptr<std::vector<char>>> work_free_;
 };
 

@@ -85,7 +85,7 @@ template <DType D>
 __global__ void k_minmax(const typename Traits<D>::T* v, size_t n, float levels, DevMeta* meta) {
   using Tr = Traits<D>;
   __shared__ float slo[1024], shi[1024];
-  float lo = static_cast<float>(Tr::load(v[0])), hi = lo;
+  float lo = INFINITY, hi = -INFINITY;  // NaN ignored, as on the host (host_kernels.h Range)
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
     float f = static_cast<float>(Tr::load(v[i]));
     lo = f < lo ? f : lo;
@@ -103,6 +103,7 @@ __global__ void k_minmax(const typename Traits<D>::T* v, size_t n, float levels,
   }
   if (threadIdx.x == 0) {
     float l = slo[0], h = shi[0];
+    if (!(l <= h)) l = h = NAN;  // all-NaN piece
     meta->m = QMeta{l, __fdiv_rn(__fsub_rn(h, l), levels)};
     meta->inv = h > l ? __fdiv_rn(levels, __fsub_rn(h, l)) : 0.0f;
   }

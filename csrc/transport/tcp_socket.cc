@@ -12,6 +12,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -91,37 +93,53 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
   double deadline = now_s() + timeout_s;
   double backoff = 0.01;
   std::string last = "no attempt";
+  auto aborted = [&] { return abort_flag && abort_flag->load(); };
+  auto abort_error = [&] { return TcpError(ErrKind::kAborted, "connect to " + addr + " aborted"); };
   while (true) {
-    if (abort_flag && abort_flag->load()) throw TcpError(ErrKind::kAborted, "connect to " + addr + " aborted");
+    if (aborted()) throw abort_error();
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) throw TcpError(ErrKind::kConnection, std::string("socket(): ") + strerror(errno));
     tune_socket(fd);
     set_nonblocking(fd, true);
-    int rc = connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
-      int ms = static_cast<int>(std::max(0.0, std::min(deadline - now_s(), 0.2)) * 1000) + 1;
-      if (poll(&p, 1, ms) == 1) {
-        int err = 0;
-        socklen_t len = sizeof(err);
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-        rc = err == 0 ? 0 : -1;
-        errno = err ? err : ETIMEDOUT;
-      } else {
-        rc = -1;
-        errno = ETIMEDOUT;
+    int err = connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      // non-blocking connect: wait for completion in 50 ms slices that watch the abort flag
+      err = ETIMEDOUT;
+      while (true) {
+        if (aborted()) {
+          close(fd);
+          throw abort_error();
+        }
+        double left = deadline - now_s();
+        if (left <= 0) break;
+        pollfd p{fd, POLLOUT, 0};
+        int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
+        if (rc == 1) {
+          socklen_t len = sizeof(err);
+          if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+          break;
+        }
+        if (rc < 0 && errno != EINTR) {
+          err = errno;
+          break;
+        }
       }
     }
-    if (rc == 0) {
+    if (err == 0) {
       set_nonblocking(fd, false);
       return fd;
     }
-    last = strerror(errno);
+    last = strerror(err);
     close(fd);
     if (now_s() >= deadline)
       throw TcpError(ErrKind::kTimeout, "connect to " + addr + " timed out after " +
                                             std::to_string(timeout_s) + " s (last error: " + last + ")");
-    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    // refused (peer not listening yet): back off, still watching the abort flag
+    double until = std::min(deadline, now_s() + backoff);
+    for (double t = now_s(); t < until; t = now_s()) {
+      if (aborted()) throw abort_error();
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(until - t, 0.05)));
+    }
     backoff = std::min(backoff * 2, 0.2);
   }
 }

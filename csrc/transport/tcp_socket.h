@@ -25,7 +25,8 @@ void split_address(const std::string& addr, std::string* host, int* port);
 // Listening socket bound to host:port (port 0 = any); returns fd and the bound port.
 int listen_on(const std::string& host, int port, int* bound_port);
 
-// Connects to addr, retrying refused connections until timeout_s elapses.
+// Connects to addr (non-blocking connect + poll), retrying refused connections until timeout_s
+// elapses; abort_flag (may be null) is checked at least every 50 ms (TcpError kAborted).
 int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool>* abort_flag);
 
 void set_nonblocking(int fd, bool on);

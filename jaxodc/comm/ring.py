@@ -121,15 +121,14 @@ class RingEndpoint:
         return int(self._ep.world)
 
     def connect_ring(self, ring: list[str], my_index: int, epoch: int) -> None:
-        """Connects to ring[my_index+1] and accepts from ring[my_index-1]; epochs must increase."""
+        """Connects to ring[my_index+1] and accepts from ring[my_index-1]; epochs must increase.
+
+        Bounded by ``timeout_s`` (TimeoutError naming the peer waited for); :meth:`abort` or
+        :meth:`close` from another thread ends it within ~50 ms with :class:`RingAborted`."""
         ring = [str(a) for a in ring]
-        try:
-            self._ep.connect_ring(ring, int(my_index), int(epoch))
-        except RuntimeError as err:  # map native TcpError text onto Python's error types
-            msg = str(err)
-            if "timed out" in msg:
-                raise TimeoutError(msg) from None
-            raise ConnectionError(msg) from None
+        status, message = self._ep.connect_ring(ring, int(my_index), int(epoch))
+        if status:
+            _raise(status, message)
 
     def set_piece_bytes(self, nbytes: int) -> None:
         """Pipelining granularity (test knob; every peer of a ring must use the same value)."""
@@ -163,7 +162,8 @@ class RingEndpoint:
         return RingHandle(native, out, (xc, out, self), int(tag))
 
     def abort(self) -> None:
-        """Aborts every in-flight operation; reconnect (new epoch) before the next one."""
+        """Aborts every in-flight operation and any connect_ring in progress; reconnect (new epoch)
+        before the next operation."""
         self._ep.abort()
 
     def set_link(self, peer: str, bandwidth_bytes_per_s: float | None, latency_s: float = 0.0) -> None:
