@@ -251,3 +251,13 @@ def _rank_entry(tmp: str) -> int:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--rank-entry":
     sys.exit(_rank_entry(sys.argv[2]))
+
+
+def error_text(fn) -> str:
+    """"Type: message" of what fn() raised, or "" when it returned: rank bodies return it so the
+    test process can check the error every rank saw."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what the caller checks
+        return f"{type(e).__name__}: {e}"
+    return ""

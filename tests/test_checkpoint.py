@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 W, K, M = 2, 2, 2  # save after K minibatches, then M more
 SIZES = (8, 16, 16, 4)
@@ -54,14 +54,6 @@ def _run(step_fn, state, comm, steps):
 def _snapshot(state):
     import jax
     return state.local_shards(), [np.array(x) for x in jax.tree_util.tree_leaves(state.local_opt_state())]
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def checkpoint_body(ctx, root):
@@ -104,7 +96,7 @@ def checkpoint_body(ctx, root):
     # Refusals. One rank's checkpoint is missing: every rank raises, the trainer is unchanged.
     before = _snapshot(e)
     target = os.path.join(root, "odc") if ctx.rank == 0 else os.path.join(root, "missing")
-    out["missing"] = _error(lambda: e.restore(target))
+    out["missing"] = error_text(lambda: e.restore(target))
     out["unchanged"] = all(np.array_equal(before[0][n], x) for n, x in e.local_shards().items())
     # A damaged file on rank 1.
     if ctx.rank == 0:
@@ -117,15 +109,15 @@ def checkpoint_body(ctx, root):
             f.seek(-3, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
     ctx.barrier("damaged copy made")
-    out["damaged"] = _error(lambda: e.restore(os.path.join(root, "damaged")))
+    out["damaged"] = error_text(lambda: e.restore(os.path.join(root, "damaged")))
     e.close()
     # Another optimizer, another layout.
     s = sharded_step(model, optax.sgd(0.1), comm="odc").init(params, ctx=ctx)
-    out["optimizer"] = _error(lambda: s.restore(os.path.join(root, "odc")))
+    out["optimizer"] = error_text(lambda: s.restore(os.path.join(root, "odc")))
     s.close()
     model2, params2 = _model((8, 16, 12, 4))
     s = sharded_step(model2, _optimizer(), comm="odc").init(params2, ctx=ctx)
-    out["layout"] = _error(lambda: s.restore(os.path.join(root, "odc")))
+    out["layout"] = error_text(lambda: s.restore(os.path.join(root, "odc")))
     s.close()
     return out
 

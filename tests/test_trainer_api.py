@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 W, B, MAX_LEN, MAX_TOKENS, LR, CLIP, EPS = 2, 2, 32, 128, 1e-2, 0.05, 1e-5
 # Adam's g / (sqrt(v) + eps) magnifies fp32 rounding of near-zero gradients (owners sum in another
@@ -33,14 +33,6 @@ def _optimizer(clip):
     return optax.chain(clip(CLIP), optax.adam(LR, eps=EPS))
 
 
-def _error(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
 def api_body(ctx, root):
     import jax
     import optax
@@ -58,19 +50,19 @@ def api_body(ctx, root):
         m = args.pop("model", model)
         return Trainer(m, args.pop("optimizer", opt()), **args)
 
-    out["cfg_balance"] = _error(lambda: make(balance=["lb_mini", "lb_steal"][r], max_tokens=[32, 64][r]))
+    out["cfg_balance"] = error_text(lambda: make(balance=["lb_mini", "lb_steal"][r], max_tokens=[32, 64][r]))
     # (the comm check runs before the collective trainer would need jax.distributed)
-    out["cfg_comm"] = _error(lambda: make(comm=["odc", "collective"][r], balance="lb_micro"))
-    out["cfg_opt"] = _error(lambda: make(optimizer=[opt(), optax.sgd(0.1)][r]))
+    out["cfg_comm"] = error_text(lambda: make(comm=["odc", "collective"][r], balance="lb_micro"))
+    out["cfg_opt"] = error_text(lambda: make(optimizer=[opt(), optax.sgd(0.1)][r]))
     other, other_params, _ = _setup(n_layers=1 + r)
-    out["cfg_layout"] = _error(lambda: make(model=other, params=other_params))
+    out["cfg_layout"] = error_text(lambda: make(model=other, params=other_params))
 
     # -- bad input, then training that the reference checks; save after the first minibatch
     ck = os.path.join(root, "ck")
     with make() as tr:
         long = np.arange(MAX_TOKENS + 8, dtype=np.int32) % 200 + 1
-        out["empty"] = _error(lambda: tr.train_minibatch([]))
-        out["too_long"] = _error(lambda: tr.train_minibatch([samples[0], long]))
+        out["empty"] = error_text(lambda: tr.train_minibatch([]))
+        out["too_long"] = error_text(lambda: tr.train_minibatch([samples[0], long]))
         recs = tr.fit(samples.tokens, minibatch=B, steps=1, seed=2)
         tr.save(ck)
         recs += tr.fit(samples.tokens, minibatch=B, steps=3, seed=2)
