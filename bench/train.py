@@ -35,10 +35,14 @@ How the measurement is kept robust on a small shared machine:
 Memory mode (`--memory`): for a model whose parameters + Adam state take S bytes, the peak
 per-rank memory of both trainers at W = `--memory-ranks`, against the bound S/W + 3 x the largest
 unit + activations. Two figures per trainer and W:
-- `peak_rss`: measured. Ranks run with glibc's mmap threshold pinned low, so freed buffers go back
-  to the OS and RSS follows live memory. The process's peak resident set over a few training
-  minibatches (VmHWM, reset after the first minibatch), less its shared file/shm pages, less the
-  private memory it had before any model was built, plus the rank's own ODC shared segment.
+- `peak_rss`: measured. The bytes of every live jax array of the process (jax.live_arrays) plus
+  the ODC runtime's native memory (its shared segment: masters and receive slots; its private
+  accumulators), taken after a first training minibatch, plus the transient: the peak of the
+  process's private resident memory over the next minibatches (VmHWM, reset at their start,
+  less shared file / shm pages) over its level at their start. Ranks run with glibc's mmap
+  threshold pinned low, so freed large buffers go back to the OS and RSS follows live memory.
+  What the process held besides (libraries, compiled code, compiler heap: `process_overhead`)
+  does not scale with the model and is reported, not counted.
 - `peak_xla`: accounted. Live state (parameter shards, optimizer state, the ODC runtime's native
   masters, accumulators and receive slots) plus, per phase, what XLA's memory_analysis() of the
   compiled microbatch / optimizer step adds (non-persistent arguments, temporaries, outputs not
@@ -91,10 +95,11 @@ def _args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory", action="store_true", help="measure peak per-rank memory instead")
     p.add_argument("--memory-ranks", default="2,4")
-    p.add_argument("--memory-d-model", type=int, default=1024)
+    p.add_argument("--memory-d-model", type=int, default=768)
     p.add_argument("--memory-layers", type=int, default=4)
-    p.add_argument("--memory-tokens", type=int, default=128, help="row length of the memory run's microbatches")
+    p.add_argument("--memory-tokens", type=int, default=64, help="row length of the memory run's microbatches")
     p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -434,11 +439,15 @@ def main(argv: list[str]) -> int:
         memory_worker(args)
         return 0
     if args.memory:
-        records = []
+        # glibc hands freed large buffers back to the OS, so RSS follows live memory
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+        per_rank = []
         for world in _ints(args.memory_ranks):
-            records += _launch(args, world, "memory", _forward(args) + (["--memory-env"] if False else []))["records"]
-        write_records(args.json, records)
-        print_memory(records)
+            for comm in ("collective", "odc"):
+                per_rank += _launch(args, world, "memory", _forward(args) + ["--memory-comm", comm])["records"]
+        rows = summarize_memory(per_rank)
+        write_records(args.json, rows)
+        print_memory(rows)
         return 0
     t0 = time.perf_counter()
     raw = _launch(args, args.ranks, "train", _forward(args))
@@ -454,12 +463,201 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def memory_worker(args) -> None:  # defined below (memory mode)
-    raise NotImplementedError
+
+# --------------------------------------------------------------------------- memory mode
+
+def _status() -> dict[str, int]:
+    """/proc/self/status memory lines, bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            m = re.match(r"(Vm\w+|Rss\w+):\s+(\d+) kB", line)
+            if m:
+                out[m.group(1)] = int(m.group(2)) * 1024
+    return out
 
 
-def print_memory(records):
-    raise NotImplementedError
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset VmHWM to the current RSS
+        f.write("5")
+
+
+def _nbytes(tree) -> int:
+    import jax
+    return int(sum(np.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _local_nbytes(tree) -> int:
+    """Bytes this process holds of a tree of (possibly globally sharded) arrays."""
+    import jax
+    return int(sum(sum(s.data.nbytes for s in x.addressable_shards) if hasattr(x, "addressable_shards")
+                   else np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _analysis(jitted, *args) -> dict[str, int]:
+    ma = jitted.lower(*args).compile().memory_analysis()
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "peak_memory_in_bytes")
+    return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}
+
+
+def _step_peak(ma: dict) -> int:
+    """Bytes a step holds while it runs: its arguments, its temp buffer (allocated whole for the
+    execution on CPU) and outputs not aliased to donated arguments. (XLA's `peak_memory_in_bytes`
+    leaves the temp buffer out on CPU, so it is not used.)"""
+    return ma["argument"] + ma["temp"] + ma["output"] - ma["alias"]
+
+
+def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
+    """Activations of one microbatch of `tokens` tokens, measured from the compiled program: the
+    same remat'd per-unit program as the trainers' on one process with identity gathers (no
+    communication), temp size at `tokens` less temp size at 1 token (parameter-sized buffers,
+    which do not scale with tokens)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.collective import microbatch_grad
+    from jaxodc.train.packing import pack
+    from jaxodc.train.units import make_layout
+    layout = make_layout(params_shape, 1, order=model.unit_names)
+    shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
+    f = jax.jit(microbatch_grad(model, layout, lambda s, spec, ctx: s))
+    temp = {}
+    for T in (1, tokens):
+        temp[T] = _analysis(f, shards, pack([], T).as_dict(), jnp.float32(1.0), None)["temp"]
+    return {"activations": max(temp[tokens] - temp[1], 0), "temp_w1": temp[tokens], "temp_w1_1token": temp[1]}
+
+
+def memory_worker(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    import msgpack
+
+    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.train.balance import Plan
+    from jaxodc.train.collective import CollectiveTrainer, OdcTrainer
+    from jaxodc.train.data import synthetic_text
+    from jaxodc.train.odc_runtime import TrainerRuntime
+    from jaxodc.train.packing import pack
+    from jaxodc.train.units import make_layout
+    from models.lm import LM, LMConfig
+
+    ctx = init_from_env()
+    init_jax_distributed(ctx)
+    W, rank, comm, T = ctx.world, ctx.rank, args.memory_comm, args.memory_tokens
+    jnp.zeros(8).block_until_ready()
+    base = _status()  # private memory of an initialised process with no model
+
+    model = LM(LMConfig(d_model=args.memory_d_model, n_layers=args.memory_layers, n_heads=args.heads))
+    params = model.init(jax.random.PRNGKey(args.seed))
+    layout = make_layout(params, W, order=model.unit_names)
+    shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    act = activation_bytes(model, shape, T)
+    optimizer = _optimizer(args.lr)
+    S = _nbytes(params) + _nbytes(jax.eval_shape(optimizer.init, params))  # parameters + Adam state, unsharded
+    unit = layout.largest * 4
+    rt = None
+    if comm == "collective":
+        tr = CollectiveTrainer(model, optimizer, params)
+    else:
+        rt = TrainerRuntime.create(layout, ctx)
+        tr = OdcTrainer(model, optimizer, params, rt)
+    del params
+    gc.collect()
+
+    # One microbatch of T tokens per rank per minibatch (samples from the usual data).
+    data = synthetic_text(args.preset, W * (args.memory_steps + 1), T, seed=args.seed + 1, min_len=T)
+    def minibatch(step):
+        idx = list(range(step * W, (step + 1) * W))
+        plan = Plan("lb_micro", W, T, tuple(T for _ in idx), tuple(((i,),) for i in range(W)))
+        return plan, [data[i] for i in idx]
+
+    if comm == "collective":
+        tr.warmup([T])
+    else:
+        warmup_odc(tr, [T], 1)
+    tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
+    gc.collect()
+    live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays())
+    native_live = (rt.runtime.stats()["segment_bytes"] + rt.runtime.stats()["accum_bytes"]) if rt else 0
+    _reset_peak()
+    before = _status()
+    for step in range(1, args.memory_steps + 1):
+        tr.train_plan(*minibatch(step))
+    after = _status()
+    # Transient: the window's peak private memory over its private memory at the start (shared
+    # file / shm pages are subtracted: peers' segments are mapped here too).
+    shared = max(after["RssFile"], before["RssFile"]) + max(after["RssShmem"], before["RssShmem"])
+    private_before = before["VmRSS"] - before["RssFile"] - before["RssShmem"]
+    transient = max(after["VmHWM"] - shared - private_before, 0)
+    peak_rss = live + native_live + transient
+    overhead = private_before - base["RssAnon"] - live - (rt.runtime.stats()["accum_bytes"] if rt else 0)
+
+    # Accounted: live state + the larger of the two phases' XLA step peaks.
+    batch = pack([data[0]], T).as_dict()
+    state = _local_nbytes(tr.shards) + _local_nbytes(tr.opt_state)
+    opt_bytes = _local_nbytes(tr.opt_state)
+    native = {}
+    if comm == "collective":
+        gb = {k: tr._global(v) for k, v in batch.items()}
+        acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
+        mb = _analysis(tr._mb_step, tr.shards, acc, gb, jnp.float32(1.0))
+        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
+        opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+    else:
+        st = rt.runtime.stats()
+        native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
+        outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
+        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
+        mb = _analysis(tr._mb_step, tr.shards, jb, jnp.float32(1.0), jnp.int32(tr.version))
+        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
+        mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
+        opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
+    peak_xla = max(mb_phase, opt_phase)
+    bound = S / W + 3 * unit + act["activations"]
+    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,
+           "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
+           "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase, "mb_step": mb, "opt_step": opt, **native,
+           "live_arrays": live, "native_live": native_live, "transient_rss": transient,
+           "process_overhead": overhead, "d_model": args.memory_d_model, "layers": args.memory_layers}
+    if rt:
+        rt.close()
+    blobs = ctx.allgather("bench/memory", msgpack.packb(rec))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"records": [msgpack.unpackb(b) for b in blobs]}, f)
+    shutdown(ctx)
+
+
+def summarize_memory(per_rank: list[dict]) -> list[dict]:
+    """One record per (comm, ranks): the largest rank's figures."""
+    out = {}
+    for r in per_rank:
+        key = (r["comm"], r["ranks"])
+        if key not in out or max(r["peak_rss"], r["peak_xla"]) > max(out[key]["peak_rss"], out[key]["peak_xla"]):
+            out[key] = r
+    rows = []
+    for key in sorted(out, key=lambda k: (k[1], k[0])):
+        r = {k: v for k, v in out[key].items() if k != "rank"}
+        peak = max(r["peak_rss"], r["peak_xla"])
+        r.update(peak=peak, peak_over_bound=peak / r["bound"], peak_over_S=peak / r["S"], below_bound=peak < r["bound"])
+        rows.append(r)
+    return rows
+
+
+def print_memory(rows: list[dict]) -> None:
+    tab = [{"comm": r["comm"], "W": r["ranks"], **{k: r[k] / MiB for k in (
+        "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla")},
+        "peak/bound": r["peak_over_bound"], "peak/S": r["peak_over_S"]} for r in rows]
+    print("peak per-rank memory, MiB (S = parameters + Adam state, unsharded; bound = S/W + 3 x largest unit + activations)")
+    print_table(tab, ["comm", "W", "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla",
+                      "peak/bound", "peak/S"])
+    for r in rows:
+        verdict = "PASS" if r["below_bound"] else "FAIL"
+        print(f"W={r['ranks']} {r['comm']}: peak {max(r['peak_rss'], r['peak_xla']) / MiB:.1f} MiB "
+              f"(measured {r['peak_rss'] / MiB:.1f}, accounted {r['peak_xla'] / MiB:.1f}) vs bound {r['bound'] / MiB:.1f} MiB "
+              f"-> {verdict}; {r['peak_over_S']:.2f} x unsharded S")
 
 
 if __name__ == "__main__":

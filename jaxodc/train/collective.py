@@ -423,7 +423,9 @@ class OdcTrainer:
                 return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
-        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
+        # Donated like the collective's: otherwise old and new shards + optimizer state coexist.
+        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
+                                 donate_argnums=(0, 1, 2))
         self.version = 0
         for u in self.layout.units:
             runtime.publish(u.index, np.asarray(self.shards[u.name]), 0)
