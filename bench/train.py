@@ -13,20 +13,25 @@ OdcTrainer side by side. One JSON record per (combo, minibatch):
 How the measurement is kept robust on a small shared machine:
 - Microbatches are packed into bucketed row lengths (`--min-bucket`; packing.bucket), so compute
   follows content, and every bucket shape of both trainers is compiled before anything is timed.
-- Interleaving: a repetition draws fresh minibatches for each minibatch size and runs all six
-  combos on exactly those minibatches back to back (the starting combo rotates), each combo block
-  starting after a barrier. Machine drift therefore hits every combo of a repetition alike; ratios
-  are taken per repetition (paired) and the median over `--reps` repetitions is reported.
-- A block holds about `--block-samples` samples per rank (minibatch 1: 8 minibatches; 8: one).
-  samples/s of a block = samples / (last rank's end - first rank's start).
+- Interleaving: a repetition draws fresh minibatches for each minibatch size (at least
+  `--block-samples` samples per rank: minibatch 1 -> 4 minibatches, 2 -> 2, 4 and 8 -> 1 by
+  default) and runs every minibatch on all six combos back to back (the starting combo rotates),
+  each after a barrier, so a load burst on the machine hits the combos of a minibatch alike.
+  samples/s of a combo in a repetition = its samples / the sum of its minibatches' spans (first
+  rank's start to last rank's end: both trainers end a minibatch with a cross-rank exchange, so
+  minibatches do not overlap and the barriers cost nothing). Ratios are taken per repetition
+  (paired) and the median over `--reps` repetitions is reported; so are the medians of each.
 - Bubble rate = idle / (W x span) per minibatch (jaxodc.train.metrics). ODC's is measured: busy =
   its microbatch intervals + optimizer (ODC ranks block only on owners' publications). A
   collective microbatch interval includes waiting inside all_gather / psum_scatter and, with
-  lock-step shapes, computing the other rank's padding, so its busy time is the cost model's:
-  for every microbatch of the rank's own content, the calibrated time of a collective step of that
-  microbatch's bucket (timed in lock-step with equal shapes on every rank, i.e. compute plus the
-  collectives' own cost, without imbalance), re-calibrated at the start of every repetition so it
-  follows the machine's load, plus the measured optimizer step. ODC's cost-model figure
+  lock-step shapes, computing the other rank's padding, so its busy time comes from the cost model:
+  of each lock-step step's measured interval, the share t(bucket of the rank's own microbatch) /
+  t(bucket the step ran), where t is the calibrated collective step time per bucket (timed in
+  lock-step with equal shapes on every rank: compute plus the collectives' own cost, without
+  imbalance; re-timed every repetition), plus the measured optimizer step. Scaling the measured
+  interval keeps the estimate in step with the machine's momentary speed; a rank that only waited
+  for a slower peer on an equal shape still counts as busy, so the estimate errs towards a
+  smaller collective bubble. ODC's cost-model figure
   (`bubble_est`) and the collective's measured-interval figure (`bubble_measured`, a lower bound)
   are reported too.
 - The balancers' cost model a*s^2 + b*s is fitted in seconds (cost.calibrate) to the collective
@@ -81,15 +86,15 @@ def _args(argv):
     p.add_argument("--timeline", help="per-rank Gantt chart (PNG) of one repetition at minibatch 4")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
-    p.add_argument("--reps", type=int, default=8, help="interleaved repetitions (medians over these)")
-    p.add_argument("--block-samples", type=int, default=8, help="samples per rank per timed block")
+    p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (medians over these)")
+    p.add_argument("--block-samples", type=int, default=4, help="samples per rank per minibatch size per repetition")
     p.add_argument("--calib-reps", type=int, default=3, help="timings per bucket per calibration")
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--pool", type=int, default=512, help="samples drawn from the preset")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per packed microbatch (= max length)")
     p.add_argument("--min-bucket", type=int, default=64, help="smallest bucketed row length")
     p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=3)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -236,36 +241,48 @@ def train_worker(args) -> None:
               for b in ctx.allgather("bench/calib", msgpack.packb(t_coll0))]
     cost = fit_cost(tables)
 
-    def own_cost(res, plan, table):
-        return sum(table[bucket(plan.microbatch_tokens(mb), args.max_tokens, args.min_bucket)]
-                   for mb in res.ran if mb)
+    def bk(plan, mbs, m):
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, args.min_bucket)
+
+    def busy_collective(res, plan, table):
+        """Lock-step step m runs the largest bucket of any rank's m-th microbatch; of its measured
+        interval, this rank's own work is the share t(own bucket) / t(step bucket) (empty: 0)."""
+        own = plan.ranks[rank]
+        busy = 0.0
+        for m, (a, b) in enumerate(res.microbatches):
+            if m < len(own) and own[m]:
+                step = max(bk(plan, plan.ranks[r], m) for r in range(W))
+                busy += (b - a) * table[bk(plan, own, m)] / table[step]
+        return busy
+
+    def busy_odc(res, plan, table):
+        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, args.min_bucket)] for m in res.ran if m)
 
     records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc}]
-    rep_now, t_coll = None, t_coll0
-    for bi, (rep, mb, batches) in enumerate(_blocks(args, W, len(samples))):
+    rep_now, t_coll, turn = None, t_coll0, 0
+    for rep, mb, batches in _blocks(args, W, len(samples)):
         if rep != rep_now:  # re-time the collective buckets: its busy estimate follows the load
             rep_now = rep
             ctx.barrier("bench/calib")
             t_coll = time_collective(coll, rows, args.calib_reps)
             calib.append({"rep": rep, "rank": rank, "collective": t_coll})
-        start = bi % len(COMBOS)
-        for ci in list(range(start, len(COMBOS))) + list(range(start)):
-            comm, balance = COMBOS[ci]
-            tr = coll if comm == "collective" else odc
-            ctx.barrier("bench/block")
-            for k, idx in enumerate(batches):
-                sub = [samples[int(i)] for i in idx]
+        for k, idx in enumerate(batches):
+            sub = [samples[int(i)] for i in idx]
+            start, turn = turn % len(COMBOS), turn + 1
+            for ci in list(range(start, len(COMBOS))) + list(range(start)):
+                comm, balance = COMBOS[ci]
+                tr = coll if comm == "collective" else odc
                 plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, cost)
+                ctx.barrier("bench/minibatch")
                 res = tr.train_plan(plan, sub, min_bucket=args.min_bucket)
                 mine = [i for m in res.ran for i in m]
                 opt_s = res.opt[1] - res.opt[0]
-                table = t_coll if comm == "collective" else t_odc
+                busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan, t_odc)
                 records.append({
                     "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
                     "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
-                    "loss": res.loss, "n_micro": sum(1 for m in res.ran if m),
-                    "busy_est": own_cost(res, plan, table) + opt_s})
+                    "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s})
     rt.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
@@ -294,6 +311,15 @@ def _minibatch_records(recs: list[dict], use_est: bool, step_of=lambda r: (r["re
     return out
 
 
+def _busy_span(recs: list[dict]) -> float:
+    """Sum over minibatches of (last rank's end - first rank's start): the time the combo ran,
+    without the barriers between minibatches."""
+    by: dict = {}
+    for r in recs:
+        by.setdefault(r["k"], []).append(r)
+    return sum(max(r["t_end"] for r in g) - min(r["t_start"] for r in g) for g in by.values())
+
+
 def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
     """(one record per (combo, minibatch), bar lines) from the ranks' raw minibatch records."""
     from jaxodc.train.metrics import bubble_rate
@@ -306,7 +332,7 @@ def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
     for (comm, balance, mb), reps in cells.items():
         sps, tps, bub, bub_meas, bub_est = {}, {}, [], [], []
         for rep, recs in sorted(reps.items()):
-            span = max(r["t_end"] for r in recs) - min(r["t_start"] for r in recs)
+            span = _busy_span(recs)
             sps[rep] = sum(r["samples"] for r in recs) / span
             tps[rep] = sum(r["tokens"] for r in recs) / span
             meas = bubble_rate(_minibatch_records(recs, False))
@@ -383,11 +409,11 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
           " bubble_est give both figures for every combo)")
     if raw:
         a, b = raw["cost"]
-        t0 = [c for c in raw["calib"] if c["rep"] == -1]
-        print(f"cost model (s): {a:.3g}*s^2 + {b:.3g}*s; step seconds per row length (rank 0, warm-up): "
-              + ", ".join(f"{T}: coll {t0[0]['collective'][T] if T in t0[0]['collective'] else t0[0]['collective'][str(T)]:.4f}"
-                          f" / odc {t0[0]['odc'][T] if T in t0[0]['odc'] else t0[0]['odc'][str(T)]:.4f}"
-                          for T in raw["rows"]))
+        warm = next(c for c in raw["calib"] if c["rep"] == -1 and c["rank"] == 0)
+        step = lambda mode, T: warm[mode][str(T)]  # noqa: E731 - JSON object keys are strings
+        print(f"cost model (s): {a:.3g}*s^2 + {b:.3g}*s; microbatch step seconds per row length "
+              "(rank 0, warm-up, collective / odc): "
+              + ", ".join(f"{T}: {step('collective', T):.4f} / {step('odc', T):.4f}" for T in raw["rows"]))
     print()
     for b in bar_rows:
         rng = f" (per-rep {b['range'][0]:.2f}..{b['range'][1]:.2f})" if "range" in b else ""

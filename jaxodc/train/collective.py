@@ -425,7 +425,7 @@ class OdcTrainer:
 
         # Donated like the collective's: otherwise old and new shards + optimizer state coexist.
         self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
-                                 donate_argnums=(0, 1, 2))
+                                 donate_argnums=(0, 1))
         self.version = 0
         for u in self.layout.units:
             runtime.publish(u.index, np.asarray(self.shards[u.name]), 0)
