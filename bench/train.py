@@ -31,9 +31,9 @@ How the measurement is kept robust on a small shared machine:
   imbalance; re-timed every repetition), plus the measured optimizer step. Scaling the measured
   interval keeps the estimate in step with the machine's momentary speed; a rank that only waited
   for a slower peer on an equal shape still counts as busy, so the estimate errs towards a
-  smaller collective bubble. ODC's cost-model figure
-  (`bubble_est`) and the collective's measured-interval figure (`bubble_measured`, a lower bound)
-  are reported too.
+  smaller collective bubble. ODC's cost-model figure (`bubble_est`: absolute calibrated ODC step
+  times) and the collective's measured-interval figure (`bubble_measured`, a lower bound) are
+  reported too.
 - The balancers' cost model a*s^2 + b*s is fitted in seconds (cost.calibrate) to the collective
   step times of the buckets, averaged over ranks so every rank plans alike.
 
@@ -52,10 +52,20 @@ unit + activations. Two figures per trainer and W:
   masters, accumulators and receive slots) plus, per phase, what XLA's memory_analysis() of the
   compiled microbatch / optimizer step adds (non-persistent arguments, temporaries, outputs not
   aliased to donated inputs).
-`activations` is measured independently: the temp size of the same remat'd microbatch program on
-one process with identity gathers (W = 1, no communication) at the benchmark's row length, less
-the same program's temp size at row length 1 (what does not scale with tokens: parameter-sized
-buffers).
+`unsharded_peak`: the same accounting for plain single-process training (reference.py), for
+comparison. `activations` is measured independently: the temp size of the same remat'd
+microbatch program on one process with identity gathers (W = 1, no communication) at the
+benchmark's row length, less the same program's temp size at row length 1 (what does not scale
+with tokens: parameter-sized buffers).
+
+Reading the figures. The model's attention is dense over a packed row (segment-masked), so a
+row's cost depends on its bucketed length, not on how its samples split it; LB-Micro packs rows
+nearly full, so at 2 ranks the lock-step steps usually run equal shapes and the collective's
+bubble is small. What ODC saves on 2 ranks is mostly the collective step's own cost -- per unit
+and microbatch an all_gather, a re-gather in the backward pass and a psum_scatter over gloo, in
+lock-step -- which shows at minibatch 1, where every balancer gives the same plan. Minibatch-level
+balancing pays off where a microbatch's cost follows its samples (varlen attention, more ranks;
+see `jaxodc simulate`).
 """
 from __future__ import annotations
 
@@ -553,6 +563,18 @@ def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
     return {"activations": max(temp[tokens] - temp[1], 0), "temp_w1": temp[tokens], "temp_w1_1token": temp[1]}
 
 
+def unsharded_peak(model, params_shape, optimizer, tokens: int) -> int:
+    """Accounted peak of plain single-process training (jaxodc.train.reference: full parameters,
+    no units, no remat) on one microbatch of `tokens` tokens: optimizer state + the compiled
+    gradient step's arguments (parameters, batch), temp buffer and outputs (loss, gradients)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.packing import pack
+    f = jax.jit(jax.value_and_grad(lambda p, b, n: model.loss_sum(p, b) / n))
+    ma = _analysis(f, params_shape, pack([], tokens).as_dict(), jnp.float32(1.0))
+    return _nbytes(jax.eval_shape(optimizer.init, params_shape)) + _step_peak(ma)
+
+
 def memory_worker(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -579,6 +601,7 @@ def memory_worker(args) -> None:
     shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     act = activation_bytes(model, shape, T)
     optimizer = _optimizer(args.lr)
+    unsharded = unsharded_peak(model, shape, optimizer, T)
     S = _nbytes(params) + _nbytes(jax.eval_shape(optimizer.init, params))  # parameters + Adam state, unsharded
     unit = layout.largest * 4
     rt = None
@@ -643,6 +666,7 @@ def memory_worker(args) -> None:
     peak_xla = max(mb_phase, opt_phase)
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,
+           "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase, "mb_step": mb, "opt_step": opt, **native,
            "live_arrays": live, "native_live": native_live, "transient_rss": transient,
@@ -674,11 +698,12 @@ def summarize_memory(per_rank: list[dict]) -> list[dict]:
 
 def print_memory(rows: list[dict]) -> None:
     tab = [{"comm": r["comm"], "W": r["ranks"], **{k: r[k] / MiB for k in (
-        "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla")},
+        "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla", "unsharded_peak")},
         "peak/bound": r["peak_over_bound"], "peak/S": r["peak_over_S"]} for r in rows]
     print("peak per-rank memory, MiB (S = parameters + Adam state, unsharded; bound = S/W + 3 x largest unit + activations)")
     print_table(tab, ["comm", "W", "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla",
-                      "peak/bound", "peak/S"])
+                      "peak/bound", "peak/S", "unsharded_peak"])
+    print("(unsharded_peak: plain single-process training of the same model and microbatch, accounted)")
     for r in rows:
         verdict = "PASS" if r["below_bound"] else "FAIL"
         print(f"W={r['ranks']} {r['comm']}: peak {max(r['peak_rss'], r['peak_xla']) / MiB:.1f} MiB "
