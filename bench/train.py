@@ -444,7 +444,8 @@ def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
     for comm, balance in COMBOS:
         sel = [r for r in recs if (r["comm"], r["balance"], r["minibatch"], r["rep"]) == (comm, balance, mb, rep)]
         if sel:
-            runs[f"{comm}+{balance} (minibatch {mb})"] = _minibatch_records(sel, False, lambda r: r["k"])
+            # titles show the reported bubble (collective: cost-model busy time)
+            runs[f"{comm}+{balance} (minibatch {mb})"] = _minibatch_records(sel, comm == "collective", lambda r: r["k"])
     return draw(runs, path, title=f"per-rank compute (bars) and idle, repetition {rep}, minibatch {mb} per rank")
 
 
