@@ -444,7 +444,9 @@ class OdcTrainer:
                 return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
-        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)))
+        # Donated like the collective's: otherwise old and new shards + optimizer state coexist.
+        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
+                                 donate_argnums=(0, 1))
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).

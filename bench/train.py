@@ -1,0 +1,716 @@
+"""`jaxodc bench train`: ODC vs the collective baseline, end to end, on the small LM.
+
+    python -m jaxodc bench train --json bench/out/train.json [--timeline bench/out/train_timeline.png]
+    python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
+
+Throughput mode. The same model (models/lm.py) and data (stdlib text, long-tailed `--preset`
+lengths) for six combinations -- collective+local_sort, collective+lb_micro, odc+local_sort,
+odc+lb_micro, odc+lb_mini, odc+lb_steal -- at minibatch sizes 1, 2, 4, 8 samples per rank, all on
+the same `--ranks` processes (one compute thread each): each rank builds a CollectiveTrainer and an
+OdcTrainer side by side. One JSON record per (combo, minibatch):
+{"kind": "train", "comm", "balance", "minibatch", "ranks", "samples_per_s", "bubble_rate", ...}.
+
+How the measurement is kept robust on a small shared machine:
+- Microbatches are packed into bucketed row lengths (`--min-bucket`; packing.bucket), so compute
+  follows content, and every bucket shape of both trainers is compiled before anything is timed.
+- Interleaving: a repetition draws fresh minibatches for each minibatch size (at least
+  `--block-samples` samples per rank: minibatch 1 -> 4 minibatches, 2 -> 2, 4 and 8 -> 1 by
+  default) and runs every minibatch on all six combos back to back (the starting combo rotates),
+  each after a barrier, so a load burst on the machine hits the combos of a minibatch alike.
+  samples/s of a combo in a repetition = its samples / the sum of its minibatches' spans (first
+  rank's start to last rank's end: both trainers end a minibatch with a cross-rank exchange, so
+  minibatches do not overlap and the barriers cost nothing). Ratios are taken per repetition
+  (paired) and the median over `--reps` repetitions is reported; so are the medians of each.
+- Bubble rate = idle / (W x span) per minibatch (jaxodc.train.metrics). ODC's is measured: busy =
+  its microbatch intervals + optimizer (ODC ranks block only on owners' publications). A
+  collective microbatch interval includes waiting inside all_gather / psum_scatter and, with
+  lock-step shapes, computing the other rank's padding, so its busy time comes from the cost model:
+  of each lock-step step's measured interval, the share t(bucket of the rank's own microbatch) /
+  t(bucket the step ran), where t is the calibrated collective step time per bucket (timed in
+  lock-step with equal shapes on every rank: compute plus the collectives' own cost, without
+  imbalance; re-timed every repetition), plus the measured optimizer step. Scaling the measured
+  interval keeps the estimate in step with the machine's momentary speed; a rank that only waited
+  for a slower peer on an equal shape still counts as busy, so the estimate errs towards a
+  smaller collective bubble. ODC's cost-model figure (`bubble_est`: absolute calibrated ODC step
+  times) and the collective's measured-interval figure (`bubble_measured`, a lower bound) are
+  reported too.
+- The balancers' cost model a*s^2 + b*s is fitted in seconds (cost.calibrate) to the collective
+  step times of the buckets, averaged over ranks so every rank plans alike.
+
+Memory mode (`--memory`): for a model whose parameters + Adam state take S bytes, the peak
+per-rank memory of both trainers at W = `--memory-ranks`, against the bound S/W + 3 x the largest
+unit + activations. Two figures per trainer and W:
+- `peak_rss`: measured. The bytes of every live jax array of the process (jax.live_arrays) plus
+  the ODC runtime's native memory (its shared segment: masters and receive slots; its private
+  accumulators), taken after a first training minibatch, plus the transient: the peak of the
+  process's private resident memory over the next minibatches (VmHWM, reset at their start,
+  less shared file / shm pages) over its level at their start. Ranks run with glibc's mmap
+  threshold pinned low, so freed large buffers go back to the OS and RSS follows live memory.
+  What the process held besides (libraries, compiled code, compiler heap: `process_overhead`)
+  does not scale with the model and is reported, not counted.
+- `peak_xla`: accounted. Live state (parameter shards, optimizer state, the ODC runtime's native
+  masters, accumulators and receive slots) plus, per phase, what XLA's memory_analysis() of the
+  compiled microbatch / optimizer step adds (non-persistent arguments, temporaries, outputs not
+  aliased to donated inputs).
+`unsharded_peak`: the same accounting for plain single-process training (reference.py), for
+comparison. `activations` is measured independently: the temp size of the same remat'd
+microbatch program on one process with identity gathers (W = 1, no communication) at the
+benchmark's row length, less the same program's temp size at row length 1 (what does not scale
+with tokens: parameter-sized buffers).
+
+Reading the figures. The model's attention is dense over a packed row (segment-masked), so a
+row's cost depends on its bucketed length, not on how its samples split it; LB-Micro packs rows
+nearly full, so at 2 ranks the lock-step steps usually run equal shapes and the collective's
+bubble is small. What ODC saves on 2 ranks is mostly the collective step's own cost -- per unit
+and microbatch an all_gather, a re-gather in the backward pass and a psum_scatter over gloo, in
+lock-step -- which shows at minibatch 1, where every balancer gives the same plan. Minibatch-level
+balancing pays off where a microbatch's cost follows its samples (varlen attention, more ranks;
+see `jaxodc simulate`).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import launch_ranks, print_table, write_records
+
+COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "local_sort"),
+          ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
+MiB = 1 << 20
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="jaxodc bench train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--timeline", help="per-rank Gantt chart (PNG) of one repetition at minibatch 4")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
+    p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (medians over these)")
+    p.add_argument("--block-samples", type=int, default=4, help="samples per rank per minibatch size per repetition")
+    p.add_argument("--calib-reps", type=int, default=3, help="timings per bucket per calibration")
+    p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
+    p.add_argument("--pool", type=int, default=512, help="samples drawn from the preset")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per packed microbatch (= max length)")
+    p.add_argument("--min-bucket", type=int, default=64, help="smallest bucketed row length")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory", action="store_true", help="measure peak per-rank memory instead")
+    p.add_argument("--memory-ranks", default="2,4")
+    p.add_argument("--memory-d-model", type=int, default=768)
+    p.add_argument("--memory-layers", type=int, default=4)
+    p.add_argument("--memory-tokens", type=int, default=64, help="row length of the memory run's microbatches")
+    p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--worker", choices=("train", "memory"), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def row_buckets(max_tokens: int, min_bucket: int) -> list[int]:
+    """Every row length packing.bucket can return for these settings."""
+    from jaxodc.train.packing import bucket
+    return sorted({bucket(t, max_tokens, min_bucket) for t in range(1, max_tokens + 1)})
+
+
+def _optimizer(lr):
+    import optax
+    from jaxodc.train.collective import clip_by_global_norm
+    return optax.chain(clip_by_global_norm(1.0), optax.adam(lr))
+
+
+# --------------------------------------------------------------------------- warm-up and calibration
+
+def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
+    """Median seconds of the collective microbatch step per row length, all ranks in lock-step on
+    the same all-padding shape (dense compute does not depend on content), gradients discarded.
+    Every rank must call it with the same arguments."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.packing import pack
+    out = {}
+    for T in rows:
+        batch = {k: trainer._global(v) for k, v in pack([], int(T)).as_dict().items()}
+        ts = []
+        for _ in range(repeats):
+            acc = {n: trainer._global(np.zeros(trainer.layout[n].shard, np.float32)) for n in trainer.layout.names}
+            t0 = time.perf_counter()
+            jax.block_until_ready(trainer._mb_step(trainer.shards, acc, batch, jnp.float32(1.0)))
+            ts.append(time.perf_counter() - t0)
+        out[int(T)] = statistics.median(ts)
+    return out
+
+
+def warmup_odc(trainer, rows, repeats: int) -> dict[int, float]:
+    """Compile the ODC microbatch step for every row length and the optimizer step, and time the
+    microbatch step (median seconds per row length), inside one discarded minibatch: all-padding
+    microbatches push zero gradients, which are fetched and dropped; the optimizer runs on copies;
+    the unchanged shards are republished for the next version. Parameters and optimizer state are
+    untouched. Every rank must call it with the same arguments (it completes a minibatch)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.packing import pack
+    v, rt = trainer.version, trainer.rt
+    ntok, ver = jnp.float32(1.0), jnp.int32(v)
+    out = {}
+    for T in rows:
+        batch = {k: jnp.asarray(x) for k, x in pack([], int(T)).as_dict().items()}
+        jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))  # compile
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))
+            ts.append(time.perf_counter() - t0)
+        out[int(T)] = statistics.median(ts)
+    rt.done(v)
+    rt.wait_complete(v)
+    grads = {u.name: jnp.asarray(rt.fetch_grad(u.index)) for u in trainer.layout.units}
+    copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
+    jax.block_until_ready(trainer._opt_step(copy(trainer.shards), copy(trainer.opt_state), grads, ver))
+    for u in trainer.layout.units:
+        rt.publish(u.index, np.asarray(trainer.shards[u.name]), v + 1)
+    trainer.version = v + 1
+    return out
+
+
+def fit_cost(tables: list[dict[int, float]]):
+    """CostModel (seconds) fitted by cost.calibrate to the mean over ranks of per-row-length step
+    times (a row of T tokens = one sample of length T)."""
+    from jaxodc.train.cost import calibrate
+    rows = sorted(tables[0])
+    mean = {T: float(np.mean([t[T] for t in tables])) for T in rows}
+    clock = iter(itertools.chain.from_iterable((0.0, mean[T]) for T in rows))
+    if len(rows) < 2:  # one bucket: a linear model through its time
+        from jaxodc.train.cost import CostModel
+        return CostModel(0.0, mean[rows[0]] / rows[0])
+    return calibrate(lambda T: None, rows, repeats=1, warmup=0, clock=lambda: next(clock))
+
+
+# --------------------------------------------------------------------------- throughput worker
+
+def _blocks(args, W: int, n: int):
+    """[(rep, mb, [minibatch index arrays])] in run order; the same on every rank."""
+    out = []
+    for rep in range(args.reps):
+        for mb in _ints(args.minibatch):
+            k = max(1, math.ceil(args.block_samples / mb))
+            rng = np.random.default_rng([args.seed, rep, mb])
+            idx = rng.choice(n, size=k * W * mb, replace=k * W * mb > n)
+            out.append((rep, mb, [idx[i * W * mb:(i + 1) * W * mb] for i in range(k)]))
+    return out
+
+
+def train_worker(args) -> None:
+    import jax
+    import msgpack
+
+    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.train.balance import make_plan
+    from jaxodc.train.collective import CollectiveTrainer, OdcTrainer
+    from jaxodc.train.data import synthetic_text
+    from jaxodc.train.odc_runtime import TrainerRuntime
+    from jaxodc.train.packing import bucket
+    from jaxodc.train.units import make_layout
+    from models.lm import LM, LMConfig
+
+    ctx = init_from_env()
+    init_jax_distributed(ctx)
+    W, rank = ctx.world, ctx.rank
+    model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
+    params = model.init(jax.random.PRNGKey(args.seed))
+    samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
+    lengths = samples.lengths
+    rows = row_buckets(args.max_tokens, args.min_bucket)
+
+    coll = CollectiveTrainer(model, _optimizer(args.lr), params)
+    rt = TrainerRuntime.create(make_layout(params, W, order=model.unit_names), ctx)
+    odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
+    del params
+    coll.warmup(rows)
+    t_odc = warmup_odc(odc, rows, args.calib_reps)
+    t_coll0 = time_collective(coll, rows, args.calib_reps)
+    tables = [{int(k): v for k, v in msgpack.unpackb(b, strict_map_key=False).items()}
+              for b in ctx.allgather("bench/calib", msgpack.packb(t_coll0))]
+    cost = fit_cost(tables)
+
+    def bk(plan, mbs, m):
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, args.min_bucket)
+
+    def busy_collective(res, plan, table):
+        """Lock-step step m runs the largest bucket of any rank's m-th microbatch; of its measured
+        interval, this rank's own work is the share t(own bucket) / t(step bucket) (empty: 0)."""
+        own = plan.ranks[rank]
+        busy = 0.0
+        for m, (a, b) in enumerate(res.microbatches):
+            if m < len(own) and own[m]:
+                step = max(bk(plan, plan.ranks[r], m) for r in range(W))
+                busy += (b - a) * table[bk(plan, own, m)] / table[step]
+        return busy
+
+    def busy_odc(res, plan, table):
+        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, args.min_bucket)] for m in res.ran if m)
+
+    records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc}]
+    rep_now, t_coll, turn = None, t_coll0, 0
+    for rep, mb, batches in _blocks(args, W, len(samples)):
+        if rep != rep_now:  # re-time the collective buckets: its busy estimate follows the load
+            rep_now = rep
+            ctx.barrier("bench/calib")
+            t_coll = time_collective(coll, rows, args.calib_reps)
+            calib.append({"rep": rep, "rank": rank, "collective": t_coll})
+        for k, idx in enumerate(batches):
+            sub = [samples[int(i)] for i in idx]
+            start, turn = turn % len(COMBOS), turn + 1
+            for ci in list(range(start, len(COMBOS))) + list(range(start)):
+                comm, balance = COMBOS[ci]
+                tr = coll if comm == "collective" else odc
+                plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, cost)
+                ctx.barrier("bench/minibatch")
+                res = tr.train_plan(plan, sub, min_bucket=args.min_bucket)
+                mine = [i for m in res.ran for i in m]
+                opt_s = res.opt[1] - res.opt[0]
+                busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan, t_odc)
+                records.append({
+                    "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
+                    "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
+                    "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
+                    "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s})
+    rt.close()
+    blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
+    if rank == 0:
+        merged = {"records": [], "calib": [], "cost": [cost.a, cost.b], "rows": rows,
+                  "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
+        for b in blobs:
+            d = msgpack.unpackb(b, strict_map_key=False)
+            merged["records"] += d["records"]
+            merged["calib"] += d["calib"]
+        with open(args.out, "w") as f:
+            json.dump(merged, f)
+    shutdown(ctx)
+
+
+# --------------------------------------------------------------------------- throughput report
+
+def _minibatch_records(recs: list[dict], use_est: bool, step_of=lambda r: (r["rep"], r["k"])):
+    from jaxodc.train.metrics import MinibatchRecord
+    steps = {}
+    out = []
+    for r in recs:
+        s = steps.setdefault(step_of(r), len(steps))
+        out.append(MinibatchRecord(r["rank"], s, r["t_start"], r["t_end"], [tuple(c) for c in r["compute"]],
+                                   tuple(r["opt"]), r["samples"], r["tokens"], r["loss"], r["comm"], r["balance"],
+                                   r["busy_est"] if use_est else None))
+    return out
+
+
+def _busy_span(recs: list[dict]) -> float:
+    """Sum over minibatches of (last rank's end - first rank's start): the time the combo ran,
+    without the barriers between minibatches."""
+    by: dict = {}
+    for r in recs:
+        by.setdefault(r["k"], []).append(r)
+    return sum(max(r["t_end"] for r in g) - min(r["t_start"] for r in g) for g in by.values())
+
+
+def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
+    """(one record per (combo, minibatch), bar lines) from the ranks' raw minibatch records."""
+    from jaxodc.train.metrics import bubble_rate
+    W = len({r["rank"] for r in raw["records"]})
+    cells: dict = {}
+    for r in raw["records"]:
+        cells.setdefault((r["comm"], r["balance"], r["minibatch"]), {}).setdefault(r["rep"], []).append(r)
+    per_rep: dict = {}  # (comm, balance, mb) -> {rep: samples/s}
+    out = []
+    for (comm, balance, mb), reps in cells.items():
+        sps, tps, bub, bub_meas, bub_est = {}, {}, [], [], []
+        for rep, recs in sorted(reps.items()):
+            span = _busy_span(recs)
+            sps[rep] = sum(r["samples"] for r in recs) / span
+            tps[rep] = sum(r["tokens"] for r in recs) / span
+            meas = bubble_rate(_minibatch_records(recs, False))
+            est = bubble_rate(_minibatch_records(recs, True))
+            bub_meas.append(meas)
+            bub_est.append(est)
+            bub.append(est if comm == "collective" else meas)
+        per_rep[(comm, balance, mb)] = sps
+        allrecs = [r for recs in reps.values() for r in recs]
+        last = max(allrecs, key=lambda r: (r["rep"], r["k"]))
+        v = list(sps.values())
+        out.append({
+            "kind": "train", "comm": comm, "balance": balance, "minibatch": mb, "ranks": W,
+            "samples_per_s": statistics.median(v), "bubble_rate": statistics.median(bub),
+            "tokens_per_s": statistics.median(tps.values()),
+            "samples_per_s_min": min(v), "samples_per_s_max": max(v),
+            "bubble_measured": statistics.median(bub_meas), "bubble_est": statistics.median(bub_est),
+            "bubble_source": "cost model" if comm == "collective" else "measured",
+            "reps": len(v), "steps": len({(r["rep"], r["k"]) for r in allrecs}),
+            "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len({(r["rep"], r["k"]) for r in allrecs})),
+            "loss": last["loss"],
+        })
+    order = {c: i for i, c in enumerate(COMBOS)}
+    out.sort(key=lambda r: (r["minibatch"], order[(r["comm"], r["balance"])]))
+    return out, bars(out, per_rep)
+
+
+def _paired(per_rep, a, b, mb):
+    """Median over repetitions of samples/s ratio a / b (same repetition = same minibatches), and
+    the (min, max) of the per-repetition ratios."""
+    ra, rb = per_rep.get((*a, mb)), per_rep.get((*b, mb))
+    if not ra or not rb:
+        return None
+    r = [ra[k] / rb[k] for k in ra if k in rb]
+    return statistics.median(r), min(r), max(r)
+
+
+def bars(rows: list[dict], per_rep: dict) -> list[dict]:
+    """The issue's bars, one dict each: {"bar", "minibatch", "value", "threshold", "pass", ...}."""
+    out = []
+    mbs = sorted({r["minibatch"] for r in rows})
+    cell = {(r["comm"], r["balance"], r["minibatch"]): r for r in rows}
+    base, mini, steal = ("collective", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal")
+    for mb in mbs:
+        p = _paired(per_rep, mini, base, mb)
+        if p:
+            out.append({"bar": "odc+lb_mini / collective+lb_micro samples/s", "minibatch": mb, "value": p[0],
+                        "range": [p[1], p[2]], "threshold": 1.15 if mb == 4 else None,
+                        "pass": (p[0] >= 1.15) if mb == 4 else None})
+    for mb in mbs:
+        p = _paired(per_rep, steal, mini, mb)
+        if p:
+            out.append({"bar": "odc+lb_steal / odc+lb_mini samples/s", "minibatch": mb, "value": p[0],
+                        "range": [p[1], p[2]], "threshold": 1.0, "pass": p[0] >= 1.0})
+    for mb in mbs:
+        if mb < 4:
+            continue
+        b = cell.get((*base, mb))
+        for odc in (mini, steal):
+            o = cell.get((*odc, mb))
+            if b and o:
+                val = o["bubble_rate"] / b["bubble_rate"] if b["bubble_rate"] > 0 else float("inf")
+                out.append({"bar": f"{odc[0]}+{odc[1]} bubble / collective+lb_micro bubble", "minibatch": mb,
+                            "value": val, "threshold": 0.5, "pass": val <= 0.5,
+                            "odc_bubble": o["bubble_rate"], "collective_bubble": b["bubble_rate"]})
+    return out
+
+
+def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None) -> None:
+    print_table([dict(r, combo=f"{r['comm']}+{r['balance']}") for r in rows],
+                ["minibatch", "combo", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "tokens_per_s",
+                 "bubble_rate", "bubble_measured", "bubble_est", "microbatches_per_rank", "reps"])
+    print("(bubble_rate: collective = cost-model busy time, ODC = measured intervals; bubble_measured /"
+          " bubble_est give both figures for every combo)")
+    if raw:
+        a, b = raw["cost"]
+        warm = next(c for c in raw["calib"] if c["rep"] == -1 and c["rank"] == 0)
+        step = lambda mode, T: warm[mode][str(T)]  # noqa: E731 - JSON object keys are strings
+        print(f"cost model (s): {a:.3g}*s^2 + {b:.3g}*s; microbatch step seconds per row length "
+              "(rank 0, warm-up, collective / odc): "
+              + ", ".join(f"{T}: {step('collective', T):.4f} / {step('odc', T):.4f}" for T in raw["rows"]))
+    print()
+    for b in bar_rows:
+        rng = f" (per-rep {b['range'][0]:.2f}..{b['range'][1]:.2f})" if "range" in b else ""
+        extra = (f" [odc {b['odc_bubble']:.1%}, collective {b['collective_bubble']:.1%}]"
+                 if "odc_bubble" in b else "")
+        verdict = "" if b["pass"] is None else (" PASS" if b["pass"] else " FAIL")
+        thr = "" if b["threshold"] is None else (f" (bar {'<=' if 'bubble' in b['bar'] else '>='} {b['threshold']})")
+        print(f"minibatch {b['minibatch']}: {b['bar']} = {b['value']:.3f}{rng}{extra}{thr}{verdict}")
+
+
+def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
+    from jaxodc.train.timeline import draw
+    recs = raw["records"]
+    mbs = sorted({r["minibatch"] for r in recs})
+    mb = mb if mb in mbs else mbs[-1]
+    rep = max(r["rep"] for r in recs)
+    runs = {}
+    for comm, balance in COMBOS:
+        sel = [r for r in recs if (r["comm"], r["balance"], r["minibatch"], r["rep"]) == (comm, balance, mb, rep)]
+        if sel:
+            # titles show the reported bubble (collective: cost-model busy time)
+            runs[f"{comm}+{balance} (minibatch {mb})"] = _minibatch_records(sel, comm == "collective", lambda r: r["k"])
+    return draw(runs, path, title=f"per-rank compute (bars) and idle, repetition {rep}, minibatch {mb} per rank")
+
+
+# --------------------------------------------------------------------------- main
+
+def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{mode}_w{world}.json")
+        argv = ["--worker", mode, "--out", out] + extra
+        launch_ranks(world, "bench.train", argv, timeout_s=args.timeout)
+        with open(out) as f:
+            return json.load(f)
+
+
+def _forward(args) -> list[str]:
+    keys = ("minibatch", "reps", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
+            "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
+            "memory_steps")
+    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+
+
+def main(argv: list[str]) -> int:
+    args = _args(argv)
+    if args.worker == "train":
+        train_worker(args)
+        return 0
+    if args.worker == "memory":
+        memory_worker(args)
+        return 0
+    if args.memory:
+        # glibc hands freed large buffers back to the OS, so RSS follows live memory
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+        per_rank = []
+        for world in _ints(args.memory_ranks):
+            for comm in ("collective", "odc"):
+                per_rank += _launch(args, world, "memory", _forward(args) + ["--memory-comm", comm])["records"]
+        rows = summarize_memory(per_rank)
+        write_records(args.json, rows)
+        print_memory(rows)
+        return 0
+    t0 = time.perf_counter()
+    raw = _launch(args, args.ranks, "train", _forward(args))
+    rows, bar_rows = summarize(raw)
+    write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows]
+                  + [{"kind": "calibration", "cost_a": raw["cost"][0], "cost_b": raw["cost"][1],
+                      "rows": raw["rows"], "tables": raw["calib"], "config": raw["config"]}])
+    print_report(rows, bar_rows, raw)
+    if args.timeline:
+        os.makedirs(os.path.dirname(os.path.abspath(args.timeline)) or ".", exist_ok=True)
+        print(f"timeline: {os.path.abspath(draw_timeline(raw, args.timeline))}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+
+# --------------------------------------------------------------------------- memory mode
+
+def _status() -> dict[str, int]:
+    """/proc/self/status memory lines, bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            m = re.match(r"(Vm\w+|Rss\w+):\s+(\d+) kB", line)
+            if m:
+                out[m.group(1)] = int(m.group(2)) * 1024
+    return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset VmHWM to the current RSS
+        f.write("5")
+
+
+def _nbytes(tree) -> int:
+    import jax
+    return int(sum(np.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _local_nbytes(tree) -> int:
+    """Bytes this process holds of a tree of (possibly globally sharded) arrays."""
+    import jax
+    return int(sum(sum(s.data.nbytes for s in x.addressable_shards) if hasattr(x, "addressable_shards")
+                   else np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _analysis(jitted, *args) -> dict[str, int]:
+    ma = jitted.lower(*args).compile().memory_analysis()
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "peak_memory_in_bytes")
+    return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}
+
+
+def _step_peak(ma: dict) -> int:
+    """Bytes a step holds while it runs: its arguments, its temp buffer (allocated whole for the
+    execution on CPU) and outputs not aliased to donated arguments. (XLA's `peak_memory_in_bytes`
+    leaves the temp buffer out on CPU, so it is not used.)"""
+    return ma["argument"] + ma["temp"] + ma["output"] - ma["alias"]
+
+
+def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
+    """Activations of one microbatch of `tokens` tokens, measured from the compiled program: the
+    same remat'd per-unit program as the trainers' on one process with identity gathers (no
+    communication), temp size at `tokens` less temp size at 1 token (parameter-sized buffers,
+    which do not scale with tokens)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.collective import microbatch_grad
+    from jaxodc.train.packing import pack
+    from jaxodc.train.units import make_layout
+    layout = make_layout(params_shape, 1, order=model.unit_names)
+    shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
+    f = jax.jit(microbatch_grad(model, layout, lambda s, spec, ctx: s))
+    temp = {}
+    for T in (1, tokens):
+        temp[T] = _analysis(f, shards, pack([], T).as_dict(), jnp.float32(1.0), None)["temp"]
+    return {"activations": max(temp[tokens] - temp[1], 0), "temp_w1": temp[tokens], "temp_w1_1token": temp[1]}
+
+
+def unsharded_peak(model, params_shape, optimizer, tokens: int) -> int:
+    """Accounted peak of plain single-process training (jaxodc.train.reference: full parameters,
+    no units, no remat) on one microbatch of `tokens` tokens: optimizer state + the compiled
+    gradient step's arguments (parameters, batch), temp buffer and outputs (loss, gradients)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.train.packing import pack
+    f = jax.jit(jax.value_and_grad(lambda p, b, n: model.loss_sum(p, b) / n))
+    ma = _analysis(f, params_shape, pack([], tokens).as_dict(), jnp.float32(1.0))
+    return _nbytes(jax.eval_shape(optimizer.init, params_shape)) + _step_peak(ma)
+
+
+def memory_worker(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    import msgpack
+
+    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.train.balance import Plan
+    from jaxodc.train.collective import CollectiveTrainer, OdcTrainer
+    from jaxodc.train.data import synthetic_text
+    from jaxodc.train.odc_runtime import TrainerRuntime
+    from jaxodc.train.packing import pack
+    from jaxodc.train.units import make_layout
+    from models.lm import LM, LMConfig
+
+    ctx = init_from_env()
+    init_jax_distributed(ctx)
+    W, rank, comm, T = ctx.world, ctx.rank, args.memory_comm, args.memory_tokens
+    jnp.zeros(8).block_until_ready()
+    base = _status()  # private memory of an initialised process with no model
+
+    model = LM(LMConfig(d_model=args.memory_d_model, n_layers=args.memory_layers, n_heads=args.heads))
+    params = model.init(jax.random.PRNGKey(args.seed))
+    layout = make_layout(params, W, order=model.unit_names)
+    shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    act = activation_bytes(model, shape, T)
+    optimizer = _optimizer(args.lr)
+    unsharded = unsharded_peak(model, shape, optimizer, T)
+    S = _nbytes(params) + _nbytes(jax.eval_shape(optimizer.init, params))  # parameters + Adam state, unsharded
+    unit = layout.largest * 4
+    rt = None
+    if comm == "collective":
+        tr = CollectiveTrainer(model, optimizer, params)
+    else:
+        rt = TrainerRuntime.create(layout, ctx)
+        tr = OdcTrainer(model, optimizer, params, rt)
+    del params
+    gc.collect()
+
+    # One microbatch of T tokens per rank per minibatch (samples from the usual data).
+    data = synthetic_text(args.preset, W * (args.memory_steps + 1), T, seed=args.seed + 1, min_len=T)
+    def minibatch(step):
+        idx = list(range(step * W, (step + 1) * W))
+        plan = Plan("lb_micro", W, T, tuple(T for _ in idx), tuple(((i,),) for i in range(W)))
+        return plan, [data[i] for i in idx]
+
+    if comm == "collective":
+        tr.warmup([T])
+    else:
+        warmup_odc(tr, [T], 1)
+    tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
+    gc.collect()
+    live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays())
+    native_live = (rt.runtime.stats()["segment_bytes"] + rt.runtime.stats()["accum_bytes"]) if rt else 0
+    _reset_peak()
+    before = _status()
+    for step in range(1, args.memory_steps + 1):
+        tr.train_plan(*minibatch(step))
+    after = _status()
+    # Transient: the window's peak private memory over its private memory at the start (shared
+    # file / shm pages are subtracted: peers' segments are mapped here too).
+    shared = max(after["RssFile"], before["RssFile"]) + max(after["RssShmem"], before["RssShmem"])
+    private_before = before["VmRSS"] - before["RssFile"] - before["RssShmem"]
+    transient = max(after["VmHWM"] - shared - private_before, 0)
+    peak_rss = live + native_live + transient
+    overhead = private_before - base["RssAnon"] - live - (rt.runtime.stats()["accum_bytes"] if rt else 0)
+
+    # Accounted: live state + the larger of the two phases' XLA step peaks.
+    batch = pack([data[0]], T).as_dict()
+    state = _local_nbytes(tr.shards) + _local_nbytes(tr.opt_state)
+    opt_bytes = _local_nbytes(tr.opt_state)
+    native = {}
+    if comm == "collective":
+        gb = {k: tr._global(v) for k, v in batch.items()}
+        acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
+        mb = _analysis(tr._mb_step, tr.shards, acc, gb, jnp.float32(1.0))
+        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
+        opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+    else:
+        st = rt.runtime.stats()
+        native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
+        outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
+        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
+        mb = _analysis(tr._mb_step, tr.shards, jb, jnp.float32(1.0), jnp.int32(tr.version))
+        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
+        mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
+        opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
+    peak_xla = max(mb_phase, opt_phase)
+    bound = S / W + 3 * unit + act["activations"]
+    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,
+           "unsharded_peak": unsharded,
+           "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
+           "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase, "mb_step": mb, "opt_step": opt, **native,
+           "live_arrays": live, "native_live": native_live, "transient_rss": transient,
+           "process_overhead": overhead, "d_model": args.memory_d_model, "layers": args.memory_layers}
+    if rt:
+        rt.close()
+    blobs = ctx.allgather("bench/memory", msgpack.packb(rec))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"records": [msgpack.unpackb(b) for b in blobs]}, f)
+    shutdown(ctx)
+
+
+def summarize_memory(per_rank: list[dict]) -> list[dict]:
+    """One record per (comm, ranks): the largest rank's figures."""
+    out = {}
+    for r in per_rank:
+        key = (r["comm"], r["ranks"])
+        if key not in out or max(r["peak_rss"], r["peak_xla"]) > max(out[key]["peak_rss"], out[key]["peak_xla"]):
+            out[key] = r
+    rows = []
+    for key in sorted(out, key=lambda k: (k[1], k[0])):
+        r = {k: v for k, v in out[key].items() if k != "rank"}
+        peak = max(r["peak_rss"], r["peak_xla"])
+        r.update(peak=peak, peak_over_bound=peak / r["bound"], peak_over_S=peak / r["S"], below_bound=peak < r["bound"])
+        rows.append(r)
+    return rows
+
+
+def print_memory(rows: list[dict]) -> None:
+    tab = [{"comm": r["comm"], "W": r["ranks"], **{k: r[k] / MiB for k in (
+        "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla", "unsharded_peak")},
+        "peak/bound": r["peak_over_bound"], "peak/S": r["peak_over_S"]} for r in rows]
+    print("peak per-rank memory, MiB (S = parameters + Adam state, unsharded; bound = S/W + 3 x largest unit + activations)")
+    print_table(tab, ["comm", "W", "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla",
+                      "peak/bound", "peak/S", "unsharded_peak"])
+    print("(unsharded_peak: plain single-process training of the same model and microbatch, accounted)")
+    for r in rows:
+        verdict = "PASS" if r["below_bound"] else "FAIL"
+        print(f"W={r['ranks']} {r['comm']}: peak {max(r['peak_rss'], r['peak_xla']) / MiB:.1f} MiB "
+              f"(measured {r['peak_rss'] / MiB:.1f}, accounted {r['peak_xla'] / MiB:.1f}) vs bound {r['bound'] / MiB:.1f} MiB "
+              f"-> {verdict}; {r['peak_over_S']:.2f} x unsharded S")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
