@@ -301,7 +301,7 @@ def _odc_plans(samples, mbs):
     p0 = lb_mini(l0, W, MAX_TOKENS, cost)
     one = lb_mini(l1, 1, MAX_TOKENS, cost)  # everything on rank 0, nothing on rank 1
     p1 = Plan("lb_mini", W, MAX_TOKENS, one.lengths, (one.ranks[0], ()))
-    p2 = lb_steal(l2, W, MAX_TOKENS, cost, steal_fraction=0.5, queue_per_rank=2)
+    p2 = lb_steal(l2, W, MAX_TOKENS, cost, steal_fraction=0.5)
     return [p0, p1, p2]
 
 

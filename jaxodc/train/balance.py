@@ -14,7 +14,7 @@ from the same lengths without talking to the others.
   baseline can do (its per-layer collectives need equal microbatch counts).
 - `lb_mini`: Karmarkar-Karp across ranks on total cost only, then each rank packs its own samples
   with its own microbatch count (ODC only: counts differ across ranks).
-- `lb_steal`: LB-Mini on the costliest samples plus a global queue of the cheapest ones, ordered
+- `lb_steal`: LB-Mini's microbatches, each rank's cheapest ones moved to a global queue, ordered
   costliest-first; at run time a rank that finished its own microbatches claims queue positions
   from a shared counter (`iter_steal`). Gradients accumulate at the owners, so which rank computes
   a microbatch does not change the result.
@@ -219,40 +219,38 @@ def lb_mini(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel
 
 
 def lb_steal(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None,
-             steal_fraction: float = 0.15, queue_per_rank: int = 4) -> Plan:
-    """LB-Mini on the costliest samples, the cheapest `steal_fraction` of the total cost held back
-    in a shared queue of about `queue_per_rank * world` microbatches (costliest first). Each rank
-    runs its static microbatches, then claims queue entries until the queue is drained, so the
-    queue fills whatever imbalance the cost model did not predict. `ranks` holds the static
-    microbatches followed by the claims the cost model predicts (first-free rank takes the next)."""
+             steal_fraction: float = 0.3) -> Plan:
+    """LB-Mini's microbatches, with each rank's cheapest ones (together at most `steal_fraction`
+    of its predicted load; every rank keeps at least one) moved to a shared queue, costliest
+    first. A rank runs its static microbatches, then claims queue entries until the queue is
+    drained, so the queue absorbs whatever the cost model mispredicted. The microbatches are
+    exactly LB-Mini's, so stealing adds no per-microbatch overhead (splitting the held-back work
+    finer would). `ranks` holds the static microbatches followed by the claims the cost model
+    predicts (the first-free rank takes the next entry)."""
     cost = cost or CostModel()
-    ls = _check_minibatch(lengths, world, max_tokens)
     if not 0.0 <= steal_fraction <= 1.0:
         raise ValueError(f"steal_fraction must be in [0, 1], got {steal_fraction}")
-    c = cost.costs(ls)
-    order = sorted(range(len(ls)), key=lambda i: (c[i], i))
-    budget, held = steal_fraction * sum(c), []
-    for i in order:
-        if budget < c[i]:
-            break
-        budget -= c[i]
-        held.append(i)
-    static = [i for i in range(len(ls)) if i not in set(held)]
-    ranks: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
-    loads = [0.0] * world
-    if static:
-        parts = karmarkar_karp([c[i] for i in static], world)
-        for r, p in enumerate(parts):
-            if p:
-                ranks[r] = fit_microbatches([static[j] for j in p], ls, cost, max_tokens)
-                loads[r] = sum(c[static[j]] for j in p)
-    queue = fit_microbatches(held, ls, cost, max_tokens, k=max(1, queue_per_rank * world)) if held else []
+    mini = lb_mini(lengths, world, max_tokens, cost)
+    mb_cost = lambda mb: cost.microbatch([mini.lengths[i] for i in mb])  # noqa: E731
+    ranks: list[list[tuple[int, ...]]] = []
+    queue: list[tuple[int, ...]] = []
+    loads = []
+    for mbs in mini.ranks:
+        mbs = list(mbs)  # costliest first
+        load = sum(mb_cost(mb) for mb in mbs)
+        budget = steal_fraction * load
+        while len(mbs) > 1 and mb_cost(mbs[-1]) <= budget:
+            budget -= mb_cost(mbs[-1])
+            queue.append(mbs.pop())
+        ranks.append(mbs)
+        loads.append(sum(mb_cost(mb) for mb in mbs))
+    queue = _by_cost(queue, mini.lengths, cost)
     n_static = tuple(len(r) for r in ranks)
     for mb in queue:  # predicted claims
         r = min(range(world), key=lambda j: (loads[j], j))
-        loads[r] += cost.microbatch([ls[i] for i in mb])
+        loads[r] += mb_cost(mb)
         ranks[r].append(mb)
-    return Plan("lb_steal", world, max_tokens, tuple(ls), tuple(tuple(r) for r in ranks), tuple(queue), n_static)
+    return Plan("lb_steal", world, max_tokens, mini.lengths, tuple(tuple(r) for r in ranks), tuple(queue), n_static)
 
 
 def make_plan(balance: str, lengths: Sequence[int], world: int, max_tokens: int,
