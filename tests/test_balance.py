@@ -194,3 +194,20 @@ def test_cost_model_and_calibrate():
     assert real.a >= 0 and real.b >= 0 and (real.a > 0 or real.b > 0)
     with pytest.raises(ValueError):
         calibrate(step, [5])
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
+def test_lb_steal_pools_lb_mini_microbatches(fraction):
+    lens = sample_lengths("longalign", 32, 512, 11).tolist()
+    mini, plan = lb_mini(lens, 4, 512, COST), lb_steal(lens, 4, 512, COST, steal_fraction=fraction)
+    everything = [mb for r in range(4) for mb in plan.static(r)] + list(plan.queue)
+    assert sorted(everything) == sorted(mb for r in mini.ranks for mb in r)  # no extra microbatches
+    cost = lambda mb: COST.microbatch([lens[i] for i in mb])  # noqa: E731
+    for r in range(4):
+        assert plan.static(r) == mini.ranks[r][:len(plan.static(r))]  # the costliest stay
+        pooled = mini.ranks[r][len(plan.static(r)):]
+        assert sum(map(cost, pooled)) <= fraction * sum(map(cost, mini.ranks[r])) + 1e-9
+        assert len(plan.static(r)) >= min(1, len(mini.ranks[r]))
+    assert [cost(mb) for mb in plan.queue] == sorted((cost(mb) for mb in plan.queue), reverse=True)
+    if fraction == 1.0:
+        assert len(plan.queue) == sum(len(r) for r in mini.ranks) - sum(1 for r in mini.ranks if r)

@@ -27,12 +27,16 @@ def _optimizer(clip):
 
 def _plans(samples, mbs, balance):
     """Per minibatch: the plan; for static balancers, step 1 gives every microbatch to rank 0 so
-    that rank 1 runs none."""
-    from jaxodc.train.balance import Plan, make_plan
+    that rank 1 runs none; lb_steal queues all but one microbatch per rank."""
+    from jaxodc.train.balance import Plan, lb_steal, make_plan
     from jaxodc.train.cost import CostModel
     plans = []
     for step, idx in enumerate(mbs):
-        plan = make_plan(balance, samples.lengths[idx].tolist(), W, MAX_TOKENS, CostModel.for_transformer(32))
+        lengths, cost = samples.lengths[idx].tolist(), CostModel.for_transformer(32)
+        if balance == "lb_steal":  # pool all but one microbatch per rank: plenty to steal
+            plan = lb_steal(lengths, W, MAX_TOKENS, cost, steal_fraction=1.0)
+        else:
+            plan = make_plan(balance, lengths, W, MAX_TOKENS, cost)
         if balance != "lb_steal" and step == 1:
             plan = Plan(plan.balance, W, MAX_TOKENS, plan.lengths, (plan.ranks[0] + plan.ranks[1], ()))
         plans.append(plan)
@@ -88,7 +92,11 @@ def test_odc_trainer_matches_reference(balance):
     counts = [r[1] for r in results]
     if balance == "lb_mini":
         assert counts[1][1] == 0 and counts[0][1] > 0, counts  # a rank with zero microbatches
-    assert any(a != b for a, b in zip(counts[0], counts[1])), counts  # unequal counts per rank
+        assert any(a != b for a, b in zip(counts[0], counts[1])), counts  # unequal counts per rank
+    else:  # which rank claims a queued microbatch is decided at run time; each runs exactly once
+        plans = _plans(samples, mbs, balance)
+        assert any(p.queue for p in plans), "no plan left a microbatch to steal"
+        assert [a + b for a, b in zip(*counts)] == [sum(p.n_static) + len(p.queue) for p in plans], counts
     for losses, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
