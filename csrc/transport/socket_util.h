@@ -1,4 +1,4 @@
-// Blocking TCP helpers with deadlines (poll-based) used by the ODC tcp transport.
+// TCP helpers of the ODC tcp transport: transport/tcp_socket with relative timeouts and ODC errors.
 #pragma once
 
 #include <cstdint>
