@@ -57,27 +57,8 @@ ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("unit"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("unit"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int64_t>("unit"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl, bind_gather(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl, bind_gather_into(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl, bind_scatter(ffi::Ffi::Bind()));
 
 }  // namespace jaxodc::odc

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "common/dtype.h"
 #include "odc/runtime.h"
@@ -10,6 +11,27 @@
 namespace jaxodc::odc {
 
 namespace ffi = xla::ffi;
+
+// One signature per op for the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
+// bound first for CUDA); they must match the ffi_call sites in jaxodc/ops/odc.py.
+// gather(local shard, version) -> full unit
+template <typename Binding>
+auto bind_gather(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>().template Attr<int64_t>("unit");
+}
+// gather_into(persistent buffer, local shard, version) -> the buffer (aliased to the output)
+template <typename Binding>
+auto bind_gather_into(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>().template Attr<int64_t>("unit");
+}
+// scatter(local shard, full-unit gradient, version) -> ordering token
+template <typename Binding>
+auto bind_scatter(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::U32>>().template Attr<int64_t>("unit");
+}
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
 

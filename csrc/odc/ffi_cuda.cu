@@ -232,29 +232,10 @@ ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi:
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCuda, GatherCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("unit"));
-
+                              bind_gather(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCuda, GatherIntoCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("unit"));
-
+                              bind_gather_into(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCuda, ScatterCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int64_t>("unit"));
+                              bind_scatter(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace jaxodc::odc

@@ -60,6 +60,35 @@ struct WireHeader {
   double value;
 };
 
+namespace {
+
+// Client side of the tcp transport; the caller holds the peer connection's lock.
+void send_request(int fd, const std::string& peer, double timeout_s, uint32_t op, int rank, int32_t unit = 0,
+                  int64_t version = 0, int64_t count = 0, uint64_t aux = 0) {
+  WireHeader h{};
+  h.op = op;
+  h.rank = rank;
+  h.unit = unit;
+  h.version = version;
+  h.count = count;
+  h.aux = aux;
+  net::send_all(fd, &h, sizeof(h), timeout_s, peer);
+}
+
+// A reply header; an error reply is followed by its message, thrown as PeerError(what: message).
+WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what) {
+  WireHeader r{};
+  net::recv_all(fd, &r, sizeof(r), timeout_s, peer);
+  if (r.status != 0) {
+    std::string msg(static_cast<size_t>(r.count), '\0');
+    net::recv_all(fd, msg.data(), msg.size(), timeout_s, peer);
+    throw PeerError(what + ": " + msg);
+  }
+  return r;
+}
+
+}  // namespace
+
 Runtime* current_runtime() { return g_runtime.load(std::memory_order_acquire); }
 void set_current_runtime(Runtime* rt) { g_runtime.store(rt, std::memory_order_release); }
 
@@ -265,12 +294,7 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
       if (cfg.transport == Transport::kCudaIpc) dev_open_peer(peer);
     } else if (cfg.transport == Transport::kTcp) {
       peer.fd = net::connect_tcp(cfg.host, cfg.port, timeout_s_, peer.name());
-      WireHeader h{};
-      h.op = kHello;
-      h.rank = rank_;
-      h.aux = layout_hash_;
-      h.count = world_;
-      net::send_all(peer.fd, &h, sizeof(h), timeout_s_, peer.name());
+      send_request(peer.fd, peer.name(), timeout_s_, kHello, rank_, 0, 0, world_, layout_hash_);
       WireHeader r{};
       net::recv_all(peer.fd, &r, sizeof(r), timeout_s_, peer.name());
       if (r.status != 0)
@@ -346,13 +370,8 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
     if (p.transport != Transport::kTcp) continue;
     p.mu.lock();
     remote.push_back(&p);
-    WireHeader h{};
-    h.op = kGather;
-    h.rank = rank_;
-    h.unit = unit;
-    h.version = version;
     try {
-      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+      send_request(p.fd, p.name(), timeout_s_, kGather, rank_, unit, version);
     } catch (...) {
       for (Peer* q : remote) q->mu.unlock();
       throw;
@@ -381,13 +400,8 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
                     " while rank " + std::to_string(rank_) + " was reading version " + std::to_string(seen));
     }
     for (Peer* p : remote) {
-      WireHeader r{};
-      net::recv_all(p->fd, &r, sizeof(r), timeout_s_ + 5, p->name());
-      if (r.status != 0) {
-        std::string msg(static_cast<size_t>(r.count), '\0');
-        net::recv_all(p->fd, msg.data(), msg.size(), timeout_s_, p->name());
-        throw PeerError("gather of unit " + std::to_string(unit) + " from " + p->name() + " failed: " + msg);
-      }
+      const WireHeader r = recv_reply(p->fd, p->name(), timeout_s_ + 5,
+                                      "gather of unit " + std::to_string(unit) + " from " + p->name() + " failed");
       int64_t lo, n;
       piece(p->rank, &lo, &n);
       if (r.count != std::max<int64_t>(n, 0)) throw PeerError("gather: " + p->name() + " sent a wrong shard size");
@@ -451,13 +465,7 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
       signal_event(&p.seg->doorbell);
     } else {
       std::lock_guard<std::mutex> lock(p.mu);
-      WireHeader h{};
-      h.op = kPush;
-      h.rank = rank_;
-      h.unit = unit;
-      h.version = version;
-      h.count = n;
-      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+      send_request(p.fd, p.name(), timeout_s_, kPush, rank_, unit, version, n);
       if (type == ElemType::kF32) {
         net::send_all(p.fd, src + lo * esize, static_cast<size_t>(n) * 4, timeout_s_, p.name());
       } else {
@@ -478,11 +486,7 @@ void Runtime::done(int64_t version) {
     Peer& p = *peers_[d];
     if (p.transport == Transport::kTcp) {
       std::lock_guard<std::mutex> lock(p.mu);
-      WireHeader h{};
-      h.op = kDone;
-      h.rank = rank_;
-      h.version = version;
-      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
+      send_request(p.fd, p.name(), timeout_s_, kDone, rank_, 0, version);
     } else {
       p.seg->done(rank_)->store(version, std::memory_order_release);
       signal_event(&p.seg->doorbell);
@@ -520,15 +524,9 @@ int64_t Runtime::next_task(int64_t version) {
   Peer& p = *peers_[0];
   if (p.transport != Transport::kTcp) return claim_task(p.seg->tasks[version % kRing], version);
   std::lock_guard<std::mutex> lock(p.mu);
-  WireHeader h{};
-  h.op = kTask;
-  h.rank = rank_;
-  h.version = version;
-  net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
-  WireHeader r{};
-  net::recv_all(p.fd, &r, sizeof(r), timeout_s_, p.name());
-  if (r.status != 0) throw PeerError("next_task at rank 0 failed for version " + std::to_string(version));
-  return r.count;
+  send_request(p.fd, p.name(), timeout_s_, kTask, rank_, 0, version);
+  return recv_reply(p.fd, p.name(), timeout_s_, "next_task at rank 0 failed for version " + std::to_string(version))
+      .count;
 }
 
 void Runtime::wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer, const std::string& what) {
@@ -555,19 +553,8 @@ std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
                              ", minibatch " + std::to_string(version) + ")";
     if (p.transport == Transport::kTcp) {
       std::lock_guard<std::mutex> lock(p.mu);
-      WireHeader h{};
-      h.op = kScalar;
-      h.rank = rank_;
-      h.version = seq;
-      net::send_all(p.fd, &h, sizeof(h), timeout_s_, p.name());
-      WireHeader r{};
-      net::recv_all(p.fd, &r, sizeof(r), timeout_s_ + 5, p.name());
-      if (r.status != 0) {
-        std::string msg(static_cast<size_t>(r.count), '\0');
-        net::recv_all(p.fd, msg.data(), msg.size(), timeout_s_, p.name());
-        throw PeerError(what + ": " + msg);
-      }
-      out[d] = r.value;
+      send_request(p.fd, p.name(), timeout_s_, kScalar, rank_, 0, seq);
+      out[d] = recv_reply(p.fd, p.name(), timeout_s_ + 5, what).value;
     } else {
       wait_scalar(p.seg, seq, d == rank_ ? nullptr : &p, what);
       out[d] = p.seg->scalar(seq)->value;
@@ -848,7 +835,8 @@ void Runtime::serve_connection(int fd) {
           try {
             r.count = local_next_task(h.version);
           } catch (const Error& e) {
-            r.status = 1;
+            reply_error(e.what());
+            break;
           }
           net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
           break;
@@ -883,10 +871,7 @@ void Runtime::close() {
     if (p->transport == Transport::kTcp && p->fd >= 0) {
       try {
         std::lock_guard<std::mutex> lock(p->mu);
-        WireHeader h{};
-        h.op = kBye;
-        h.rank = rank_;
-        net::send_all(p->fd, &h, sizeof(h), 1.0, p->name());
+        send_request(p->fd, p->name(), 1.0, kBye, rank_);
       } catch (...) {
       }
     }

@@ -29,12 +29,4 @@ static ffi::Error AllReduceCpu(ffi::AnyBuffer x, ffi::AnyBuffer tok, ffi::Result
 }  // namespace jaxodc::ring
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxodc_ring_all_reduce_cpu, jaxodc::ring::AllReduceCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("handle")
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("quant")
-                                  .Attr<int64_t>("tag"));
+                              jaxodc::ring::bind_all_reduce(ffi::Ffi::Bind()));

@@ -2,11 +2,22 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "ring/ring.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxodc::ring {
+
+// The all-reduce signature of the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
+// bound first for CUDA): (x, ordering token) -> (result, token), matching jaxodc/ops/allreduce.py.
+template <typename Binding>
+auto bind_all_reduce(Binding&& b) {
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>().template Arg<xla::ffi::AnyBuffer>()
+      .template Ret<xla::ffi::AnyBuffer>().template Ret<xla::ffi::AnyBuffer>()
+      .template Attr<int64_t>("handle").template Attr<int64_t>("op").template Attr<int64_t>("quant")
+      .template Attr<int64_t>("tag");
+}
 
 inline bool ffi_dtype(xla::ffi::DataType t, DType* out) {
   using xla::ffi::DataType;

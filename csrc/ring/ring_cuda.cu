@@ -210,13 +210,4 @@ static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
 }  // namespace jaxodc::ring
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxodc_ring_all_reduce_cuda, jaxodc::ring::AllReduceCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("handle")
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("quant")
-                                  .Attr<int64_t>("tag"));
+                              jaxodc::ring::bind_all_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
