@@ -62,6 +62,23 @@ def test_gather_is_exact_concatenation(world, transport):
         assert leftover == []
 
 
+# -- work-stealing counter --------------------------------------------------------------------------
+
+def claims_body(ctx, transport):
+    rt = make_runtime(ctx, sizes=[8], transport=transport)
+    claims = [[rt.next_task(v) for _ in range(5)] for v in (0, 1)]
+    rt.close()
+    return claims
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_next_task_hands_out_each_position_once(transport):
+    results = run_ranks(claims_body, 3, args=(transport,))
+    for v in (0, 1):
+        got = sorted(c for r in results for c in r[v])
+        assert got == list(range(15)), got  # one shared counter per minibatch, no position twice
+
+
 # -- scatter-accumulate ----------------------------------------------------------------------------
 
 def pushes_of(rank, world, seed):
