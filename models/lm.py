@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from jaxodc.train.units import StagedModel
+
 
 @dataclass(frozen=True)
 class LMConfig:
@@ -90,7 +92,7 @@ class Head(nn.Module):
         return nll * loss_mask
 
 
-class LM:
+class LM(StagedModel):
     """Staged model: `unit_names`, `init(rng) -> {unit: params}`, `apply_unit(name, params, carry,
     batch) -> carry`; the last unit returns per-token losses. `batch` holds the packing arrays
     (tokens, targets, segment_ids, positions, loss_mask), each [B, T]."""
@@ -123,12 +125,3 @@ class LM:
         if name == "head":
             return self._head.apply({"params": params}, carry, batch["targets"], batch["loss_mask"])
         return self._block.apply({"params": params}, carry, batch["segment_ids"], batch["positions"])
-
-    def token_losses(self, params: dict, batch) -> jax.Array:
-        carry = None
-        for name in self.unit_names:
-            carry = self.apply_unit(name, params[name], carry, batch)
-        return carry
-
-    def loss_sum(self, params: dict, batch) -> jax.Array:
-        return jnp.sum(self.token_losses(params, batch))

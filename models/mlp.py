@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from jaxodc.train.units import StagedModel
+
 
 class _Layer(nn.Module):
     features: int
@@ -21,7 +23,7 @@ class _Layer(nn.Module):
         return -jnp.take_along_axis(logp, y[:, None].astype(jnp.int32), axis=-1)[:, 0] * mask
 
 
-class MLP:
+class MLP(StagedModel):
     def __init__(self, sizes: tuple[int, ...] = (16, 64, 64, 10)):
         if len(sizes) < 2:
             raise ValueError(f"MLP needs at least input and output sizes, got {sizes}")
@@ -52,12 +54,3 @@ class MLP:
         if layer.last:
             return layer.apply({"params": params}, x, batch["y"], batch["mask"])
         return layer.apply({"params": params}, x)
-
-    def token_losses(self, params: dict, batch) -> jax.Array:
-        carry = None
-        for name in self.unit_names:
-            carry = self.apply_unit(name, params[name], carry, batch)
-        return carry
-
-    def loss_sum(self, params: dict, batch) -> jax.Array:
-        return jnp.sum(self.token_losses(params, batch))

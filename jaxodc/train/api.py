@@ -42,7 +42,7 @@ from jaxodc.train.balance import BALANCERS
 from jaxodc.train.collective import CollectiveTrainer, OdcTrainer, StepResult, train_loop
 from jaxodc.train.cost import CostModel
 from jaxodc.train.metrics import MinibatchRecord, summarize
-from jaxodc.train.units import Layout, make_layout, unshard_params
+from jaxodc.train.units import Layout, StagedModel, make_layout, unshard_params
 
 COMMS = ("odc", "collective")
 
@@ -51,7 +51,7 @@ class ConfigMismatchError(ValueError):
     """Ranks were configured differently."""
 
 
-class UnitModel:
+class UnitModel(StagedModel):
     """A per-unit function as a model of the unit protocol."""
 
     def __init__(self, apply_unit: Callable, unit_names: Sequence[str]):

@@ -21,6 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class StagedModel:
+    """The unit protocol the trainer runs: `unit_names` (run order) and
+    `apply_unit(name, params, carry, batch) -> carry`, the first unit receiving carry None and the
+    last returning per-token losses. Subclasses get the unsharded forms used by references."""
+
+    unit_names: tuple[str, ...]
+
+    def apply_unit(self, name: str, params, carry, batch):
+        raise NotImplementedError
+
+    def token_losses(self, params: Mapping[str, Any], batch) -> jax.Array:
+        carry = None
+        for name in self.unit_names:
+            carry = self.apply_unit(name, params[name], carry, batch)
+        return carry
+
+    def loss_sum(self, params: Mapping[str, Any], batch) -> jax.Array:
+        return jnp.sum(self.token_losses(params, batch))
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     name: str
