@@ -627,7 +627,10 @@ def memory_worker(args) -> None:
         warmup_odc(tr, [T], 1)
     tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
     gc.collect()
-    live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays())
+    # Arrays that are the runtime's own masters (OdcTrainer on CPU) are counted once, as native.
+    masters = {rt.runtime.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
+    live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
+               if not (masters and a.unsafe_buffer_pointer() in masters))
     native_live = (rt.runtime.stats()["segment_bytes"] + rt.runtime.stats()["accum_bytes"]) if rt else 0
     _reset_peak()
     before = _status()
@@ -664,6 +667,12 @@ def memory_worker(args) -> None:
         opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
         mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
         opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
+        if tr._masters is not None:
+            # The shards are the runtime's masters and the gradients its accumulators (both in
+            # `outside`); XLA cannot donate memory it does not own, so the new shards are a fresh
+            # output, which the shard arguments' bytes stand for in the optimizer phase.
+            mb_phase -= _local_nbytes(tr.shards)
+            opt_phase -= _local_nbytes(grads)
     peak_xla = max(mb_phase, opt_phase)
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,

@@ -395,3 +395,34 @@ def test_segments_of_a_crashed_rank_are_reclaimed():
     from jaxodc._native import C
     assert C.odc_reclaim_stale_segments() >= 1
     assert shm_entries(job) == []
+
+
+def test_grad_view_and_in_place_publish():
+    """The zero-copy owner path: the gradient is read where it accumulated and must be cleared
+    before the next version is announced; a master written in place is what gathers read."""
+    from jaxodc.odc import Runtime
+    rt = Runtime([10], rank=0, world=1, rendezvous=None, job_id=f"gv{os.getpid()}", device=None)
+    try:
+        rt.publish(0, np.arange(10, dtype=np.float32), 0)
+        master = rt.master_view(0)
+        assert master.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(master, np.arange(10))
+        g = np.random.default_rng(0).random(10, dtype=np.float32)
+        rt.scatter_accumulate(0, 0, g)
+        rt.done(0)
+        rt.wait_complete(0)
+        view = rt.grad_view(0)
+        assert view.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(view, g)
+        with pytest.raises(Exception, match="clear_grad"):
+            rt.publish(0, np.zeros(10, np.float32), 1)
+        master[:] = 7.0
+        rt.clear_grad(0)
+        assert not view.any()
+        rt.publish_in_place(0, 1)
+        np.testing.assert_array_equal(rt.gather(0, 1), np.full(10, 7.0, np.float32))
+        with pytest.raises(Exception, match="no completed minibatch"):
+            rt.grad_view(0)
+    finally:
+        rt.close()
+    np.testing.assert_array_equal(master, 7.0)  # still mapped: lent views may outlive close()

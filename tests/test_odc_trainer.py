@@ -59,8 +59,11 @@ def odc_body(ctx, balance):
         losses.append(res.loss)
         ran.append(len(res.microbatches))
     shards = tr.local_shards()
+    # On the CPU backend the trainer's shards are the runtime's masters themselves (no second copy).
+    from jaxodc.train.collective import _aliases
+    shared = [_aliases(tr.shards[u.name], rt.master_view(u.index)) for u in layout.units]
     rt.close()
-    return losses, ran, shards
+    return losses, ran, shards, shared
 
 
 @pytest.mark.parametrize("balance", ["lb_mini", "lb_steal"])
@@ -97,8 +100,9 @@ def test_odc_trainer_matches_reference(balance):
         plans = _plans(samples, mbs, balance)
         assert any(p.queue for p in plans), "no plan left a microbatch to steal"
         assert [a + b for a, b in zip(*counts)] == [sum(p.n_static) + len(p.queue) for p in plans], counts
-    for losses, _, _ in results:
+    for losses, _, _, shared in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert all(shared), shared
 
     # Owners add microbatch gradients in arrival order, so sums differ from the reference's in the
     # last bits; Adam's m/sqrt(v) magnifies that for near-zero gradient elements. atol is 5e-4 of

@@ -112,6 +112,31 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
             rt.publish(unit, shard.data(), static_cast<int64_t>(shard.shape(0)), version);
           },
           nb::arg("unit"), nb::arg("shard"), nb::arg("version"))
+      // Views without a copy (see Runtime::grad_in_place / master_data); each keeps the Python
+      // runtime object alive, and is valid only for the protocol window described there.
+      .def(
+          "grad_view",
+          [](nb::handle self, int unit) {
+            Runtime& rt = nb::cast<Runtime&>(self);
+            float* p;
+            {
+              nb::gil_scoped_release release;
+              p = rt.grad_in_place(unit);
+            }
+            return nb::ndarray<nb::numpy, float, nb::ndim<1>>(p, {static_cast<size_t>(rt.shard_size(unit))}, self);
+          },
+          nb::arg("unit"))
+      .def("clear_grad", &Runtime::clear_grad, nb::arg("unit"))
+      .def(
+          "master_view",
+          [](nb::handle self, int unit) {
+            Runtime& rt = nb::cast<Runtime&>(self);
+            return nb::ndarray<nb::numpy, float, nb::ndim<1>>(rt.master_data(unit),
+                                                             {static_cast<size_t>(rt.shard_size(unit))}, self);
+          },
+          nb::arg("unit"))
+      .def("publish_in_place", &Runtime::publish_in_place, nb::arg("unit"), nb::arg("version"),
+           nb::call_guard<nb::gil_scoped_release>())
       .def("published_version", &Runtime::published_version)
       .def("read_shard",
            [](const Runtime& rt, int unit) {

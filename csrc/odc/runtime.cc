@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -183,10 +184,16 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
   seg_->magic = kMagic;
 
   for (int u = 0; u < nu; ++u) {
-    accum_.emplace_back(static_cast<size_t>(shards_[u]), 0.0f);
+    const size_t bytes = align_up(static_cast<size_t>(std::max<int64_t>(shards_[u], 1)) * 4, 64);
+    float* acc = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (acc == nullptr) throw Error("rank " + std::to_string(rank) + ": cannot allocate the accumulator of unit " +
+                                    std::to_string(u) + " (" + std::to_string(bytes) + " bytes)");
+    std::memset(acc, 0, bytes);
+    accum_.emplace_back(acc);
     accum_mu_.push_back(std::make_unique<std::mutex>());
   }
   last_fetched_.assign(nu, -1);
+  grad_lent_.assign(nu, 0);
   client_failure_.assign(world, "");
 
   for (int r = 0; r < world; ++r) peers_.push_back(std::make_unique<Peer>());
@@ -208,6 +215,7 @@ Runtime::~Runtime() {
     close();
   } catch (...) {
   }
+  if (seg_) munmap(seg_, seg_bytes_);
 }
 
 int64_t Runtime::numel(int unit) const {
@@ -580,7 +588,7 @@ bool Runtime::accept_push(int unit, int64_t version, int client) {
 void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count) {
   if (!accept_push(unit, version, client)) return;
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  float* acc = accum_[unit].data();
+  float* acc = accum_[unit].get();
   for (int64_t i = 0; i < count; ++i) acc[i] += data[i];
 }
 
@@ -674,19 +682,40 @@ void Runtime::wait_complete(int64_t version) {
 void Runtime::fetch_grad(int unit, float* out, int64_t out_numel) {
   check_open("fetch_grad");
   check_unit(unit, "fetch_grad");
+  if (out_numel != shards_[unit])
+    throw Error("fetch_grad: unit " + std::to_string(unit) + " shard holds " + std::to_string(shards_[unit]) +
+                " elements, output " + std::to_string(out_numel));
+  const float* acc = grad_in_place(unit);
+  std::memcpy(out, acc, static_cast<size_t>(shards_[unit]) * 4);
+  clear_grad(unit);
+}
+
+float* Runtime::grad_in_place(int unit) {
+  check_open("fetch_grad");
+  check_unit(unit, "fetch_grad");
   int64_t completed = completed_version_.load();
   if (completed < 0 || last_fetched_[unit] >= completed)
     throw Error("fetch_grad: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) +
                 ": no completed minibatch to fetch (call wait_complete(version) first; last completed " +
                 std::to_string(completed) + ")");
-  if (out_numel != shards_[unit])
-    throw Error("fetch_grad: unit " + std::to_string(unit) + " shard holds " + std::to_string(shards_[unit]) +
-                " elements, output " + std::to_string(out_numel));
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  std::memcpy(out, accum_[unit].data(), static_cast<size_t>(shards_[unit]) * 4);
-  if (dev_) dev_fetch_add(unit, out);
-  std::fill(accum_[unit].begin(), accum_[unit].end(), 0.0f);
+  if (dev_) dev_fetch_add(unit, accum_[unit].get());
   last_fetched_[unit] = completed;
+  grad_lent_[unit] = 1;
+  return accum_[unit].get();
+}
+
+void Runtime::clear_grad(int unit) {
+  check_unit(unit, "clear_grad");
+  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+  std::memset(accum_[unit].get(), 0, static_cast<size_t>(shards_[unit]) * 4);
+  grad_lent_[unit] = 0;
+}
+
+float* Runtime::master_data(int unit) {
+  check_open("master_data");
+  check_unit(unit, "master_data");
+  return seg_->master(unit);
 }
 
 void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t version) {
@@ -695,8 +724,20 @@ void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t
   if (shard_numel != shards_[unit])
     throw Error("publish: unit " + std::to_string(unit) + " shard holds " + std::to_string(shards_[unit]) +
                 " elements on rank " + std::to_string(rank_) + ", got " + std::to_string(shard_numel));
-  UnitEntry* e = seg_->unit(unit);
-  int64_t cur = e->version.load();
+  check_publish(unit, version);
+  std::memcpy(seg_->master(unit), shard, static_cast<size_t>(shard_numel) * 4);
+  announce(unit, version);
+}
+
+void Runtime::publish_in_place(int unit, int64_t version) {
+  check_open("publish");
+  check_unit(unit, "publish");
+  check_publish(unit, version);
+  announce(unit, version);
+}
+
+void Runtime::check_publish(int unit, int64_t version) const {
+  int64_t cur = seg_->unit(unit)->version.load();
   if (version <= cur)
     throw Error("publish: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) + " is at version " +
                 std::to_string(cur) + "; version " + std::to_string(version) + " does not move it forward");
@@ -704,9 +745,16 @@ void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t
     throw Error("publish: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) + " version " +
                 std::to_string(version) + " before minibatch " + std::to_string(version - 1) +
                 " completed (wait_complete first)");
-  std::memcpy(seg_->master(unit), shard, static_cast<size_t>(shard_numel) * 4);
-  if (dev_) dev_publish(unit, shard);  // complete before the version below announces it
-  e->version.store(version, std::memory_order_release);
+  // Peers may push version `version` as soon as it is announced; they must land in a cleared
+  // accumulator, not in the gradient the optimizer still reads.
+  if (grad_lent_[unit])
+    throw Error("publish: rank " + std::to_string(rank_) + " unit " + std::to_string(unit) +
+                ": its gradient is still lent out (call clear_grad first)");
+}
+
+void Runtime::announce(int unit, int64_t version) {
+  if (dev_) dev_publish(unit, seg_->master(unit));  // complete before the version below announces it
+  seg_->unit(unit)->version.store(version, std::memory_order_release);
   signal_event(&seg_->pub_seq);
 }
 
@@ -900,8 +948,8 @@ void Runtime::close() {
     p->seg = nullptr;
   }
   unlink_segment();
-  if (seg_) munmap(seg_, seg_bytes_);
-  seg_ = nullptr;
+  // My own segment stays mapped until destruction: arrays lent by master_view may outlive
+  // close() (they keep this object alive), and must not point at unmapped memory.
   closed_ = true;
 }
 

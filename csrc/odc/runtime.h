@@ -122,6 +122,14 @@ class Runtime {
   void wait_complete(int64_t version);
   void fetch_grad(int unit, float* out, int64_t out_numel);
   void publish(int unit, const float* shard, int64_t shard_numel, int64_t version);
+  // Zero-copy owner path (the trainer's optimizer reads the gradient and rewrites the master in
+  // place, so neither is held twice): grad_in_place is fetch_grad without the copy -- the
+  // accumulator stays readable until clear_grad; master_data is my master shard, which may be
+  // written between wait_complete(v) (no peer reads version v any more) and publish_in_place(v+1).
+  float* grad_in_place(int unit);
+  void clear_grad(int unit);
+  float* master_data(int unit);
+  void publish_in_place(int unit, int64_t version);
   int64_t published_version(int unit) const;
   void read_shard(int unit, float* out, int64_t out_numel) const;
 
@@ -131,6 +139,8 @@ class Runtime {
   struct Peer;
   void check_unit(int unit, const char* op) const;
   void check_open(const char* op) const;
+  void check_publish(int unit, int64_t version) const;
+  void announce(int unit, int64_t version);
   template <class Pred>
   void wait_for(std::atomic<uint32_t>* word, Pred ready, const Peer* peer, const std::string& what);
   void check_peer_alive(const Peer& peer, const std::string& what) const;
@@ -169,7 +179,12 @@ class Runtime {
   size_t seg_bytes_ = 0;
 
   std::vector<std::unique_ptr<Peer>> peers_;
-  std::vector<std::vector<float>> accum_;
+  struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+  };
+  // 64-byte aligned, so Python can wrap them without a copy (jax aliases aligned host memory).
+  std::vector<std::unique_ptr<float[], FreeDeleter>> accum_;
+  std::vector<char> grad_lent_;  // per unit: grad_in_place handed out, clear_grad not yet called
   std::vector<std::unique_ptr<std::mutex>> accum_mu_;
   std::atomic<int64_t> accumulating_version_{0};
   std::atomic<int64_t> completed_version_{-1};

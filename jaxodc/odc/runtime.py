@@ -222,6 +222,26 @@ class Runtime:
     def publish(self, unit: int, shard, version: int) -> None:
         self._native.publish(unit, np.ascontiguousarray(shard, dtype=np.float32).reshape(-1), version)
 
+    # Zero-copy owner path: the optimizer reads the summed gradient where it accumulated and
+    # rewrites the master shard in place, so neither exists twice. Per minibatch v, after
+    # wait_complete(v): grad_view(u) (= fetch_grad without the copy) ... clear_grad(u), then
+    # publish_in_place(u, v + 1) once master_view(u) holds the new shard.
+    def grad_view(self, unit: int) -> np.ndarray:
+        """The completed minibatch's gradient of my shard, in place; valid until clear_grad."""
+        return self._native.grad_view(unit)
+
+    def clear_grad(self, unit: int) -> None:
+        self._native.clear_grad(unit)
+
+    def master_view(self, unit: int) -> np.ndarray:
+        """My master shard of `unit` (64-byte aligned, so jax on CPU wraps it without a copy).
+        Write it only between wait_complete(v) and publish_in_place(v + 1)."""
+        return self._native.master_view(unit)
+
+    def publish_in_place(self, unit: int, version: int) -> None:
+        """Announce the master shard as written in place for `version`."""
+        self._native.publish_in_place(unit, version)
+
     def published_version(self, unit: int) -> int:
         return self._native.published_version(unit)
 

@@ -416,6 +416,31 @@ class OdcRuntime(abc.ABC):
     def next_task(self, version: int) -> int:
         """Shared claim counter of minibatch `version` (LB-Steal): 0, 1, 2, ... across all ranks."""
 
+    # Zero-copy owner path (optional; jaxodc.odc.Runtime has it): the optimizer reads the
+    # gradient where it accumulated and rewrites the master shard in place.
+    def master_view(self, unit: int) -> np.ndarray | None:
+        """My master shard as a writable host array, or None when the runtime keeps no such copy."""
+        return None
+
+    def grad_view(self, unit: int) -> np.ndarray:
+        """fetch_grad without the copy: valid until clear_grad(unit)."""
+        return self.fetch_grad(unit)
+
+    def clear_grad(self, unit: int) -> None:
+        """Reset the gradient lent by grad_view (before publishing the next version)."""
+
+    def publish_in_place(self, unit: int, version: int) -> None:
+        """Announce `version` of the master shard written in place through master_view."""
+        raise NotImplementedError
+
+
+def _aliases(a: jax.Array, host: np.ndarray) -> bool:
+    """Whether jax array `a` lives in `host`'s memory (a zero-copy view of it)."""
+    try:
+        return a.unsafe_buffer_pointer() == host.ctypes.data
+    except Exception:  # noqa: BLE001 -- not a single-device buffer, or a platform without pointers
+        return False
+
 
 class OdcTrainer:
     """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
@@ -429,8 +454,8 @@ class OdcTrainer:
         self.model, self.optimizer, self.rt = model, optimizer, runtime
         self.world, self.rank = runtime.world, runtime.rank
         self.layout = make_layout(params, self.world, order=model.unit_names)
-        self.shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
-        self.opt_state = optimizer.init(self.shards)
+        shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
+        self.opt_state = optimizer.init(shards)
         grad_fn = microbatch_grad(model, self.layout, lambda s, spec, v: runtime.gather(s, spec, v))
         def mb_step(s, b, n, v):
             # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
@@ -450,15 +475,38 @@ class OdcTrainer:
                 return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
-        # Donated like the collective's: otherwise old and new shards + optimizer state coexist.
+        # Shards and state donated: otherwise old and new coexist. With the runtime's masters as
+        # the shards (below), XLA writes the new parameters straight into them.
         self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
                                  donate_argnums=(0, 1))
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
         self._rt_base = 0
+        self._masters = self._master_views()
+        self._publish(shards, 0)
+
+    def _master_views(self) -> list[np.ndarray] | None:
+        """The runtime's master shards, when jax can use them as its own arrays without a copy
+        (host memory on the CPU backend); then the trainer keeps no second copy of its shards."""
+        views = [self.rt.master_view(u.index) for u in self.layout.units]
+        if any(v is None for v in views):
+            return None
+        probe = jax.device_put(views[0])
+        return views if _aliases(probe, views[0]) else None
+
+    def _publish(self, shards: dict, version: int) -> None:
+        """Make `shards` readable by gathers of runtime `version` and the trainer's current
+        shards. A shard XLA already wrote into the runtime's master is announced, not copied."""
         for u in self.layout.units:
-            runtime.publish(u.index, np.asarray(self.shards[u.name]), 0)
+            a = shards[u.name]
+            if self._masters is not None and _aliases(a, self._masters[u.index]):
+                self.rt.publish_in_place(u.index, version)
+            else:
+                self.rt.publish(u.index, np.asarray(a), version)
+        if self._masters is not None:
+            shards = {u.name: jax.device_put(self._masters[u.index]) for u in self.layout.units}
+        self.shards = shards
 
     def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
         step, v = self.version, self.version - self._rt_base  # v: runtime version
@@ -475,10 +523,15 @@ class OdcTrainer:
         self.rt.done(v)
         self.rt.wait_complete(v)
         t0 = time.perf_counter()
-        grads = {u.name: jnp.asarray(self.rt.fetch_grad(u.index)) for u in self.layout.units}
-        self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
+        # The gradients are read where they accumulated (no copy on the CPU backend) ...
+        grads = {u.name: jax.device_put(self.rt.grad_view(u.index)) for u in self.layout.units}
+        shards, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
+        jax.block_until_ready((shards, self.opt_state))
+        del grads
+        # ... and cleared before the next version is announced: peers push into them right after.
         for u in self.layout.units:
-            self.rt.publish(u.index, np.asarray(self.shards[u.name]), v + 1)
+            self.rt.clear_grad(u.index)
+        self._publish(shards, v + 1)
         res.opt = (t0, time.perf_counter())
         res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
         res.t_end = time.perf_counter()
@@ -508,7 +561,8 @@ class OdcTrainer:
         return res
 
     def local_shards(self) -> dict[str, np.ndarray]:
-        return {n: np.asarray(a) for n, a in self.shards.items()}
+        # Copies: the shards may be the runtime's masters, which the next minibatch rewrites.
+        return {n: np.array(a, np.float32) for n, a in self.shards.items()}
 
     def local_opt_state(self):
         return jax.tree_util.tree_map(np.asarray, self.opt_state)
@@ -527,7 +581,7 @@ class OdcTrainer:
         wait_complete) and publishes at the next runtime version, which becomes the runtime
         version of step `version` (runtime versions only move forward)."""
         rv = self.version - self._rt_base
-        self.shards = {n: jnp.asarray(np.asarray(shards[n], np.float32)) for n in self.layout.names}
+        new_shards = {n: jnp.asarray(np.asarray(shards[n], np.float32)) for n in self.layout.names}
         self.opt_state = jax.tree_util.tree_map(lambda cur, x: jnp.asarray(np.asarray(x, cur.dtype)),
                                                 self.opt_state, opt_state)
         self.rt.done(rv)
@@ -537,8 +591,7 @@ class OdcTrainer:
             if np.any(g != 0):
                 raise RuntimeError(f"rank {self.rank}: unit {u.name!r} received gradients for minibatch {rv} "
                                    "while restoring; every rank must restore between minibatches, together")
-        for u in self.layout.units:
-            self.rt.publish(u.index, np.asarray(self.shards[u.name]), rv + 1)
+        self._publish(new_shards, rv + 1)
         self.version = int(version)
         self._rt_base = self.version - (rv + 1)
 

@@ -32,6 +32,18 @@ class TrainerRuntime(OdcRuntime):
     def publish(self, unit: int, shard: np.ndarray, version: int) -> None:
         self.runtime.publish(unit, shard, version)
 
+    def master_view(self, unit: int) -> np.ndarray:
+        return self.runtime.master_view(unit)
+
+    def grad_view(self, unit: int) -> np.ndarray:
+        return self.runtime.grad_view(unit)
+
+    def clear_grad(self, unit: int) -> None:
+        self.runtime.clear_grad(unit)
+
+    def publish_in_place(self, unit: int, version: int) -> None:
+        self.runtime.publish_in_place(unit, version)
+
     def done(self, version: int) -> None:
         self.runtime.done(version)
 
