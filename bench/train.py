@@ -159,36 +159,46 @@ def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
     return out
 
 
-def warmup_odc(trainer, rows, repeats: int) -> dict[int, float]:
+def warmup_odc(trainer, rows, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
     """Compile the ODC microbatch step for every row length and the optimizer step, and time the
-    microbatch step (median seconds per row length), inside one discarded minibatch: all-padding
-    microbatches push zero gradients, which are fetched and dropped; the optimizer runs on copies;
-    the unchanged shards are republished for the next version. Parameters and optimizer state are
-    untouched. Every rank must call it with the same arguments (it completes a minibatch)."""
+    microbatch step (median seconds per row length) on an all-padding row and on a row holding one
+    sample of the row's length, inside one discarded minibatch: the pushed gradients are fetched
+    and dropped; the optimizer runs on copies; the unchanged shards are republished for the next
+    version. Parameters and optimizer state are untouched. Returns (padding, full) tables. Every
+    rank must call it with the same arguments (it completes a minibatch)."""
     import jax
     import jax.numpy as jnp
     from jaxodc.train.packing import pack
     v, rt = trainer.version, trainer.rt
     ntok, ver = jnp.float32(1.0), jnp.int32(v)
-    out = {}
+    pad, full = {}, {}
     for T in rows:
-        batch = {k: jnp.asarray(x) for k, x in pack([], int(T)).as_dict().items()}
-        jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))  # compile
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))
-            ts.append(time.perf_counter() - t0)
-        out[int(T)] = statistics.median(ts)
+        for table, content in ((pad, []), (full, [np.arange(int(T), dtype=np.int32) % 251 + 1])):
+            batch = {k: jnp.asarray(x) for k, x in pack(content, int(T)).as_dict().items()}
+            jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))  # compile
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))
+                ts.append(time.perf_counter() - t0)
+            table[int(T)] = statistics.median(ts)
     rt.done(v)
     rt.wait_complete(v)
     grads = {u.name: jnp.asarray(rt.fetch_grad(u.index)) for u in trainer.layout.units}
     copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
     jax.block_until_ready(trainer._opt_step(copy(trainer.shards), copy(trainer.opt_state), grads, ver))
-    for u in trainer.layout.units:
-        rt.publish(u.index, np.asarray(trainer.shards[u.name]), v + 1)
+    trainer._publish(trainer.shards, v + 1)
     trainer.version = v + 1
-    return out
+    return pad, full
+
+
+def attention_coefficient(pad: dict[int, float], full: dict[int, float]) -> float:
+    """Seconds per s^2 of attention work a row's samples add beyond its padded length: with
+    variable-length attention a row of T tokens costs t_pad(T) + a * sum(s_i^2) (the linear layers
+    follow T, attention follows the samples). Median over row lengths >= 128 (shorter ones are
+    timer noise); 0 for dense attention, whose row cost does not depend on its content."""
+    vals = [(full[T] - pad[T]) / (T * T) for T in pad if T >= 128] or [(full[T] - pad[T]) / (T * T) for T in pad]
+    return max(0.0, statistics.median(vals))
 
 
 def fit_cost(tables: list[dict[int, float]]):
@@ -245,30 +255,42 @@ def train_worker(args) -> None:
     odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
     del params
     coll.warmup(rows)
-    t_odc = warmup_odc(odc, rows, args.calib_reps)
+    t_odc, t_odc_full = warmup_odc(odc, rows, args.calib_reps)
     t_coll0 = time_collective(coll, rows, args.calib_reps)
-    tables = [{int(k): v for k, v in msgpack.unpackb(b, strict_map_key=False).items()}
-              for b in ctx.allgather("bench/calib", msgpack.packb(t_coll0))]
-    cost = fit_cost(tables)
+    calib0 = [msgpack.unpackb(b, strict_map_key=False)
+              for b in ctx.allgather("bench/calib", msgpack.packb([t_coll0, attention_coefficient(t_odc, t_odc_full)]))]
+    tables = [{int(k): v for k, v in c[0].items()} for c in calib0]
+    # Every rank plans and estimates with the same model: mean of the ranks' calibrations.
+    att = float(np.mean([c[1] for c in calib0]))
+    fit = fit_cost(tables)
+    cost = type(fit)(fit.a + att, fit.b)
 
     def bk(plan, mbs, m):
         return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, args.min_bucket)
 
+    def sq(plan, mbs, m):  # attention work of microbatch m: sum of its samples' s^2
+        return float(sum(plan.lengths[i] ** 2 for i in mbs[m])) if m < len(mbs) else 0.0
+
     def busy_collective(res, plan, table):
-        """Lock-step step m runs the largest bucket of any rank's m-th microbatch; of its measured
-        interval, this rank's own work is the share t(own bucket) / t(step bucket) (empty: 0)."""
+        """Lock-step step m runs the largest bucket of any rank's m-th microbatch, and takes as long
+        as its slowest rank: t(step bucket) + a * max over ranks of their attention work. Of its
+        measured interval, this rank's own work is the share (t(own bucket) + a * own attention
+        work) / that (empty: 0); the rest is waiting, or computing padding for the lock-step shape."""
         own = plan.ranks[rank]
         busy = 0.0
         for m, (a, b) in enumerate(res.microbatches):
             if m < len(own) and own[m]:
                 step = max(bk(plan, plan.ranks[r], m) for r in range(W))
-                busy += (b - a) * table[bk(plan, own, m)] / table[step]
+                slowest = table[step] + att * max(sq(plan, plan.ranks[r], m) for r in range(W))
+                busy += (b - a) * (table[bk(plan, own, m)] + att * sq(plan, own, m)) / slowest
         return busy
 
     def busy_odc(res, plan, table):
-        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, args.min_bucket)] for m in res.ran if m)
+        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, args.min_bucket)]
+                   + att * sum(plan.lengths[i] ** 2 for i in m) for m in res.ran if m)
 
-    records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc}]
+    records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc, "odc_full": t_odc_full,
+                            "attention": att}]
     rep_now, t_coll, turn = None, t_coll0, 0
     for rep, mb, batches in _blocks(args, W, len(samples)):
         if rep != rep_now:  # re-time the collective buckets: its busy estimate follows the load
@@ -296,7 +318,7 @@ def train_worker(args) -> None:
     rt.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
-        merged = {"records": [], "calib": [], "cost": [cost.a, cost.b], "rows": rows,
+        merged = {"records": [], "calib": [], "cost": [cost.a, cost.b], "attention_coefficient": att, "rows": rows,
                   "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
         for b in blobs:
             d = msgpack.unpackb(b, strict_map_key=False)
