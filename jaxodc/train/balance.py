@@ -269,6 +269,8 @@ def iter_steal(plan: Plan, next_task: Callable[[int], int], version: int) -> Ite
     `runtime.next_task`); positions past the queue end mean the queue is drained."""
     if plan.queue is None:
         raise ValueError(f"iter_steal needs an lb_steal plan, got {plan.balance!r}")
+    if not plan.queue:  # nothing pooled: no claim round trip
+        return
     while True:
         i = int(next_task(version))
         if i < 0 or i >= len(plan.queue):
