@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "odc/device.cuh"
+#include "odc/device_cuda.h"
 #include "odc/runtime.h"
 #include "odc/segment.h"
 

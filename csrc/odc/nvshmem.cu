@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "odc/device.cuh"
+#include "odc/device_cuda.h"
 #include "odc/nvshmem/plugin_api.h"
 #include "odc/runtime.h"
 #include "odc/segment.h"

@@ -1,4 +1,4 @@
-// Internal to the CUDA sources of csrc/odc (cuda_ipc.cu, nvshmem.cu): CUDA error checks, the
+// Internal to the CUDA sources of csrc/odc (cuda_ipc.cu, nvshmem.cu; needs cuda_runtime.h): CUDA error checks, the
 // device guard and a rank's device state.
 #pragma once
 
