@@ -3,6 +3,8 @@
 Every `.cc` under csrc/ goes into one module; every `.cu` is compiled by nvcc when one is found
 (PATH, $CUDA_HOME, or the pip wheel nvidia-cuda-nvcc) and linked with the static CUDA runtime, so the
 module still imports on machines without a GPU. JAXODC_CUDA=0 disables, =1 requires CUDA.
+With CUDA and NVSHMEM (the nvidia-nvshmem-cu13 wheel), csrc/odc/nvshmem/ becomes the separate plugin
+jaxodc/_nvshmem_plugin.so, which the runtime dlopen()s only for the nvshmem transport.
 """
 import glob
 import os
@@ -32,6 +34,13 @@ class BuildExt(build_ext):
         os.replace(tmp, dst)
         return dst, True
 
+    plugin = None  # the nvshmem plugin built by this command, if any
+
+    def run(self):
+        super().run()
+        if self.inplace and self.plugin:  # setuptools copies only the extensions into the checkout
+            self.copy_file(self.plugin, os.path.join(ROOT, "jaxodc", os.path.basename(self.plugin)))
+
     def build_extensions(self):
         cuda = discover.find_cuda()
         ext = self.extensions[0]
@@ -45,14 +54,17 @@ class BuildExt(build_ext):
                 gencode += [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
             last = INPUTS["cuda_archs"].split(";")[-1]
             gencode += [f"-gencode=arch=compute_{last},code=compute_{last}"]
-            for cu in sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True)):
+            def compile_cu(cu, extra=()):
                 obj = os.path.join(build_dir, os.path.relpath(cu, ROOT).replace(os.sep, "_") + ".o")
                 cmd = [nvcc, "-c", cu, "-o", obj, "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
                        "-DJAXODC_WITH_CUDA=1", "-I" + os.path.join(ROOT, "csrc"),
-                       "-isystem", INPUTS["ffi_include"], "-I" + cuda["include"]] + gencode
+                       "-isystem", INPUTS["ffi_include"], "-I" + cuda["include"]] + list(extra) + gencode
                 print(" ".join(cmd), flush=True)
                 subprocess.check_call(cmd)
-                objects.append(obj)
+                return obj
+
+            for cu in module_sources("*.cu"):
+                objects.append(compile_cu(cu))
             ext.extra_objects += objects + [cuda["cudart_static"]]
             ext.define_macros.append(("JAXODC_WITH_CUDA", "1"))
             ext.include_dirs.append(cuda["include"])
@@ -60,11 +72,37 @@ class BuildExt(build_ext):
         else:
             print("jaxodc: nvcc not found, building without CUDA", flush=True)
         super().build_extensions()
+        nvshmem = discover.find_nvshmem() if cuda else None
+        if nvshmem:
+            self.build_nvshmem_plugin(cuda, nvshmem, compile_cu)
+        elif cuda:
+            print("jaxodc: NVSHMEM (nvidia-nvshmem-cu13) not found, building without the nvshmem plugin", flush=True)
+
+    def build_nvshmem_plugin(self, cuda, nvshmem, compile_cu):
+        objs = [compile_cu(cu, ["-I" + nvshmem["include"], "-Xcompiler", "-fvisibility=hidden"])
+                for cu in sorted(glob.glob(os.path.join(ROOT, discover.NVSHMEM_PLUGIN_DIR, "*.cu")))]
+        dest = os.path.join(os.path.dirname(self.get_ext_fullpath("jaxodc._C")), "_nvshmem_plugin.so")
+        tmp = f"{dest}.tmp{os.getpid()}"
+        # rpath: the wheel next to an installed jaxodc, then the one found at build time.
+        cmd = list(self.compiler.compiler_cxx) + ["-shared", "-o", tmp] + objs + [
+            cuda["cudart_static"], nvshmem["host_lib"], "-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib",
+            "-Wl,-rpath," + nvshmem["lib_dir"], "-ldl", "-lrt", "-lpthread"]
+        print(" ".join(cmd), flush=True)
+        subprocess.check_call(cmd)
+        os.replace(tmp, dest)  # by rename, like the module: running processes may have it mapped
+        self.plugin = dest
+
+
+def module_sources(pattern):
+    """Sources of jaxodc._C: every `pattern` under csrc/ except the nvshmem plugin's."""
+    plugin = os.path.join(ROOT, discover.NVSHMEM_PLUGIN_DIR) + os.sep
+    return [p for p in sorted(glob.glob(os.path.join(ROOT, "csrc", "**", pattern), recursive=True))
+            if not p.startswith(plugin)]
 
 
 def make_extension():
     nb_include, nb_combined, robin_map = (INPUTS[k] for k in ("nanobind_include", "nb_combined", "robin_map_include"))
-    sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cc"), recursive=True))
+    sources = [os.path.relpath(p, ROOT) for p in module_sources("*.cc")]
     return Extension(
         "jaxodc._C",
         sources=sources + [os.path.relpath(nb_combined, ROOT) if nb_combined.startswith(ROOT) else nb_combined],

@@ -1,9 +1,10 @@
-"""Checks the bazel-built `_C.so`: usage check_extension.py PATH_TO__C.so EXPECT_CUDA(0|1).
+"""Checks the bazel-built `_C.so`: usage check_extension.py PATH_TO__C.so EXPECT_CUDA(0|1) [PLUGIN].
 
 Assembles a throwaway `jaxodc` package (the Python sources from runfiles plus the bazel-built
 module), imports it with the configured interpreter, and checks what the Python side relies on:
 `registrations()` is {name: {platform: capsule}} with non-null handler capsules, `with_cuda` says
-whether the CUDA objects were linked, and jaxodc._native registers every target with JAX.
+whether the CUDA objects were linked, and jaxodc._native registers every target with JAX. With
+PLUGIN (the bazel-built nvshmem plugin), the runtime must dlopen it (no GPU needed) and see NVSHMEM 3.
 """
 import ctypes
 import os
@@ -27,7 +28,7 @@ def capsule_pointer(capsule):
     return get(capsule, name(capsule))
 
 
-def main(so_path, expect_cuda):
+def main(so_path, expect_cuda, plugin=None):
     if not os.path.isfile(so_path):
         fail("no module at %s" % so_path)
     root = tempfile.mkdtemp(prefix="jaxodc_bazel_", dir=os.environ.get("TEST_TMPDIR"))
@@ -63,13 +64,18 @@ def main(so_path, expect_cuda):
         registered = _native.register_targets()
         if registered != tuple(sorted(regs)):
             fail("register_targets() gave %r, registrations() has %r" % (registered, sorted(regs)))
-        print("ok: %s, %d targets (%s), with_cuda=%s" % (so_path, len(regs), ", ".join(sorted(regs)) or "none",
-                                                          _C.with_cuda))
+        if plugin:
+            status = _C.odc_nvshmem_load(os.path.realpath(plugin))
+            if status or not _C.odc_nvshmem_version().startswith("NVSHMEM 3."):
+                fail("the nvshmem plugin %s does not load: %r (version %r)" % (plugin, status,
+                                                                                _C.odc_nvshmem_version()))
+        print("ok: %s, %d targets (%s), with_cuda=%s, nvshmem plugin: %s" % (
+            so_path, len(regs), ", ".join(sorted(regs)) or "none", _C.with_cuda, _C.odc_nvshmem_version() or "none"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[2] not in ("0", "1"):
-        fail("usage: check_extension.py PATH_TO__C.so 0|1")
-    main(sys.argv[1], sys.argv[2] == "1")
+    if len(sys.argv) not in (3, 4) or sys.argv[2] not in ("0", "1"):
+        fail("usage: check_extension.py PATH_TO__C.so 0|1 [PATH_TO__nvshmem_plugin.so]")
+    main(sys.argv[1], sys.argv[2] == "1", sys.argv[3] if len(sys.argv) == 4 else None)

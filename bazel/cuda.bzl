@@ -13,12 +13,13 @@ def _gencode():
     flags.append("-gencode=arch=compute_%s,code=compute_%s" % (last, last))
     return flags
 
-def cuda_objects(name, srcs, hdrs):
-    """Compiles each of `srcs` (.cu) with nvcc; returns the list of object labels (empty without CUDA)."""
+def cuda_objects(name, srcs, hdrs, extra_flags = []):
+    """Compiles each of `srcs` (.cu) with nvcc (plus `extra_flags`); returns the list of object
+    labels (empty without CUDA)."""
     if not WITH_CUDA or not srcs:
         return []
     flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-DJAXODC_WITH_CUDA=1", "-Icsrc",
-             "-I" + FFI_INCLUDE, "-I" + CUDA_INCLUDE] + _gencode()
+             "-I" + FFI_INCLUDE, "-I" + CUDA_INCLUDE] + extra_flags + _gencode()
     objs = []
     for src in srcs:
         out = "_cuda_objs/" + src[:-len(".cu")] + ".pic.o"

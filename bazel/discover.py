@@ -3,7 +3,9 @@
 Run by the `jaxodc_configure` repository rule (bazel/configure.bzl) and imported by setup.py, so
 both builds find the same inputs. CUDA: JAXODC_CUDA=0 disables, =1 requires; candidates are
 $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc, then the pip wheel's
-nvidia/cu13/bin/nvcc; the first one whose root has libcudart_static.a wins.
+nvidia/cu13/bin/nvcc; the first one whose root has libcudart_static.a wins. NVSHMEM (the optional
+plugin of the nvshmem transport, built only with CUDA): $NVSHMEM_HOME, then the pip wheel
+nvidia-nvshmem-cu13 (nvidia/nvshmem); JAXODC_NVSHMEM=0 disables, =1 requires.
 """
 import glob
 import json
@@ -52,6 +54,34 @@ def find_cuda():
     return None
 
 
+# The plugin's sources: built into jaxodc/_nvshmem_plugin.so, never into the main module.
+NVSHMEM_PLUGIN_DIR = "csrc/odc/nvshmem"
+
+
+def find_nvshmem():
+    """{"root", "include", "lib_dir", "host_lib"} of an NVSHMEM with the host library, or None."""
+    mode = os.environ.get("JAXODC_NVSHMEM", "")
+    if mode == "0":
+        return None
+    roots = [os.environ["NVSHMEM_HOME"]] if os.environ.get("NVSHMEM_HOME") else []
+    try:
+        import nvidia
+        roots += [os.path.join(base, "nvshmem") for base in nvidia.__path__]
+    except ImportError:
+        pass
+    for root in roots:
+        include = os.path.join(root, "include")
+        libs = sorted(glob.glob(os.path.join(root, "lib", "libnvshmem_host.so*")))
+        if os.path.isfile(os.path.join(include, "nvshmem_host.h")) and libs:
+            root = os.path.realpath(root)
+            host_lib = os.path.join(root, "lib", os.path.basename(libs[-1]))
+            return {"root": root, "include": os.path.join(root, "include"), "lib_dir": os.path.join(root, "lib"),
+                    "host_lib": host_lib}
+    if mode == "1":
+        fail("JAXODC_NVSHMEM=1 but no NVSHMEM (nvshmem_host.h and libnvshmem_host.so*) was found")
+    return None
+
+
 def build_inputs():
     """Everything but CUDA: the dict main() prints (fails with a message when something is missing)."""
     try:
@@ -85,7 +115,8 @@ def build_inputs():
 
 
 def main():
-    print(json.dumps(dict(build_inputs(), cuda=find_cuda())))
+    cuda = find_cuda()
+    print(json.dumps(dict(build_inputs(), cuda=cuda, nvshmem=find_nvshmem() if cuda else None)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ limit), for several unit sizes at 2 and 4 ranks. Writes one JSON record per meas
     jaxodc bench primitives --json bench/out/primitives.json [--sizes-mb 1,4,16,64,256] [--ranks 2,4]
 
 With --gpu the ranks run jax on CUDA (they may share one GPU): ODC over cuda_ipc (server memory on
-the GPU, data GPU to GPU) against the staged shm and tcp paths (device=None), plus the device's own
+the GPU, data GPU to GPU) and over nvshmem (forced on one host; left out when the NVSHMEM plugin is
+not built) against the staged shm and tcp paths (device=None), plus the device's own
 copy bandwidth (op memcpy, transport device). The gloo collectives are left out there: they are CPU
 collectives, and NCCL needs one GPU per rank.
 """
@@ -55,11 +56,18 @@ def worker(sizes_mb: list[int], out_path: str, gpu: bool = False) -> None:
 
     sync = lambda: ctx.barrier("rep")  # noqa: E731 - untimed alignment of the ranks before each rep
 
-    for transport in (("cuda_ipc", "shm", "tcp") if gpu else ("shm", "tcp")):
+    transports = ("shm", "tcp")
+    if gpu:
+        from jaxodc.odc.runtime import load_nvshmem_plugin
+        why = load_nvshmem_plugin()
+        if why and rank == 0:
+            print(f"bench primitives: no nvshmem records: {why}", flush=True)
+        transports = ("cuda_ipc",) + (() if why else ("nvshmem",)) + transports
+    for transport in transports:
         # Staged transports keep host server memory (device=None) so they measure the staged path.
         rt = Runtime(numels, rank=rank, world=world, rendezvous=ctx.rendezvous,
                      job_id=f"{ctx.job_id}{transport}", transport=transport, timeout_s=300,
-                     device="auto" if transport == "cuda_ipc" else None)
+                     device="auto" if transport in ("cuda_ipc", "nvshmem") else None)
         rng = np.random.default_rng(rank)
         for u in range(len(numels)):
             rt.publish(u, rng.standard_normal(rt.shard_size(u)).astype(np.float32), 0)
@@ -162,6 +170,10 @@ def summarize(records: list[dict]) -> list[str]:
                      f"{cs / ss:.2f}x scatter_accumulate")
     if None not in (ci, dm):
         lines.append(f"64 MB, 2 ranks (GPU): cuda_ipc gather / device copy kernel = {ci / dm:.2f}x")
+    ni, ns = gbps("gather", "nvshmem", "into"), gbps("scatter_accumulate", "nvshmem")
+    if None not in (ni, ns, ci, cs):
+        lines.append(f"64 MB, 2 ranks (GPU): nvshmem / cuda_ipc = {ni / ci:.2f}x gather (into), "
+                     f"{ns / cs:.2f}x scatter_accumulate")
     gi, gf = gbps("gather", "shm", "into"), gbps("gather", "shm", "fresh")
     ag, mc = gbps("all_gather", "gloo"), gbps("memcpy", "local")
     s, ps = gbps("scatter_accumulate", "shm"), gbps("psum_scatter", "gloo")
@@ -180,12 +192,18 @@ def summarize(records: list[dict]) -> list[str]:
     return lines
 
 
+# The ranks share one host: NVSHMEM bootstraps over loopback and needs no network transport.
+GPU_ENV = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": os.environ.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+           "NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jaxodc bench primitives")
     p.add_argument("--json", help="write the records here")
     p.add_argument("--sizes-mb", default="1,4,16,64,256")
     p.add_argument("--ranks", default="2,4")
-    p.add_argument("--gpu", action="store_true", help="ranks run jax on CUDA; adds the cuda_ipc transport")
+    p.add_argument("--gpu", action="store_true", help="ranks run jax on CUDA; adds the cuda_ipc and nvshmem transports")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -200,7 +218,7 @@ def main(argv: list[str]) -> int:
             launch_ranks(world, "bench.primitives",
                          ["--worker", "--sizes-mb", args.sizes_mb, "--out", out] + (["--gpu"] if args.gpu else []),
                          timeout_s=1800,
-                         env={"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if args.gpu else None)
+                         env=GPU_ENV if args.gpu else None)
             with open(out) as f:
                 records += json.load(f)
     records.sort(key=lambda r: (r["ranks"], r["bytes"], r["op"], r["transport"], r.get("variant", "")))

@@ -53,6 +53,28 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("device_uuid", &Runtime::device_uuid)
       .def("enable_device", &Runtime::enable_device, nb::arg("ordinal"), nb::call_guard<nb::gil_scoped_release>(),
            "Puts this rank's server memory (also) in GPU memory, exported for cuda_ipc peers; before connect.")
+      .def(
+          "nvshmem_uniqueid",
+          [](Runtime& rt) {
+            std::string uid;
+            {
+              nb::gil_scoped_release release;
+              uid = rt.nvshmem_uniqueid();
+            }
+            return nb::bytes(uid.data(), uid.size());
+          },
+          "A fresh NVSHMEM bootstrap id (bytes), made on the rank that becomes PE 0; needs the plugin and a device.")
+      .def(
+          "init_nvshmem",
+          [](Runtime& rt, nb::bytes uid, const std::vector<int>& pe_of_rank) {
+            std::string id(uid.c_str(), uid.size());
+            nb::gil_scoped_release release;
+            rt.init_nvshmem(id, pe_of_rank);
+          },
+          nb::arg("uid"), nb::arg("pe_of_rank"),
+          "Joins the NVSHMEM job of `uid` as PE pe_of_rank[rank] (-1: outside) and allocates the symmetric "
+          "block; collective over the job, after enable_device, before connect.")
+      .def_prop_ro("nvshmem_active", &Runtime::nvshmem_active)
       .def("numel", &Runtime::numel)
       .def("shard_size", &Runtime::shard_size)
       .def(
@@ -72,7 +94,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
             nb::gil_scoped_release release;
             rt.connect(cfgs);
           },
-          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc, shm_name, host, port, pid)]")
+          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port, pid)]")
       .def("unlink_segment", &Runtime::unlink_segment)
       .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
       .def(
@@ -157,11 +179,15 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
              d["device_bytes"] = s.device_bytes;
              return d;
            })
-      .def("close", &Runtime::close, nb::call_guard<nb::gil_scoped_release>());
+      .def("close", &Runtime::close, nb::arg("collective") = true, nb::call_guard<nb::gil_scoped_release>(),
+           "collective: every rank is closing too, so NVSHMEM's collective teardown may run.");
 
   m.def("odc_cuda_built", &odc::cuda_built, "Whether the ODC runtime was built with the cuda_ipc transport.");
   m.def("odc_cuda_device_uuids", &odc::cuda_device_uuids,
         "UUIDs of the CUDA devices this process sees (empty without CUDA, a driver or a device).");
+  m.def("odc_nvshmem_load", &odc::nvshmem_load, nb::arg("path"), nb::call_guard<nb::gil_scoped_release>(),
+        "dlopen()s the NVSHMEM plugin once per process: '' when loaded, else why not.");
+  m.def("odc_nvshmem_version", &odc::nvshmem_version, "'NVSHMEM x.y.z' of the loaded plugin, '' when none.");
   m.def("odc_reclaim_stale_segments", &odc::reclaim_stale_segments,
         "Unlinks /dev/shm/jaxodc_* segments whose owner process is gone; returns how many.");
 

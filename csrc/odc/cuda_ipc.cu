@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "odc/device_cuda.h"
 #include "odc/runtime.h"
 #include "odc/segment.h"
 
@@ -38,37 +39,6 @@ constexpr size_t kDevAlign = 256;
 constexpr int kThreads = 256;
 
 size_t dev_align(size_t x) { return (x + kDevAlign - 1) / kDevAlign * kDevAlign; }
-
-std::string cuda_msg(cudaError_t e) { return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")"; }
-
-// Throws `what` with the CUDA error; clears the thread's last-error state first so that a later
-// cudaGetLastError() after a kernel launch does not report this (non-sticky) error again.
-void check(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  throw Error(what + ": " + cuda_msg(e));
-}
-
-// Makes `device` current for a scope: XLA's, the daemon's and Python's threads all call in.
-class DeviceGuard {
- public:
-  DeviceGuard(int device, const std::string& who) {
-    check(cudaGetDevice(&prev_), who + ": cudaGetDevice");
-    if (prev_ != device) {
-      check(cudaSetDevice(device), who + ": cudaSetDevice(" + std::to_string(device) + ")");
-      changed_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-  bool changed_ = false;
-};
 
 std::string uuid_string(const void* bytes) {
   const auto* b = static_cast<const unsigned char*>(bytes);
@@ -86,20 +56,6 @@ __global__ void add_into(float* __restrict__ acc, const float* __restrict__ src,
 
 }  // namespace
 
-struct DeviceState {
-  int ordinal = -1;
-  char* block = nullptr;  // exported: masters, then one slot per client
-  size_t block_bytes = 0;
-  float* accum = nullptr;  // private fp32 accumulators
-  size_t accum_bytes = 0;
-  std::vector<size_t> accum_off;  // per unit, in elements
-  cudaStream_t stream = nullptr;  // publish / fetch_grad (Python's threads), under stream_mu
-  std::mutex stream_mu;
-  cudaStream_t daemon_stream = nullptr;  // the accumulation daemon's
-  std::mutex pending_mu;
-  std::vector<cudaEvent_t> pending;  // one per device gather not yet known to be finished
-  std::vector<cudaEvent_t> spare;
-};
 
 namespace {
 
@@ -238,6 +194,10 @@ void Runtime::gather_device(int unit, int64_t version, float* out, CUstream_st* 
     const int d = (rank_ + i) % world_;
     if (!device_owner(d)) continue;
     Peer& p = *peers_[d];
+    if (p.transport == Transport::kNvshmem) {  // covered by this call's event below too
+      nv_gather_owner(p, unit, version, out, stream);
+      continue;
+    }
     SegmentHeader* seg = p.seg;  // mine for d == rank_
     UnitEntry* e = seg->unit(unit);
     wait_until(
@@ -299,6 +259,10 @@ void Runtime::scatter_device(int unit, int64_t version, const float* grad, CUstr
     const int d = (rank_ + 1 + i) % world_;
     if (!device_owner(d)) continue;
     Peer& p = *peers_[d];
+    if (p.transport == Transport::kNvshmem) {
+      nv_push_owner(p, unit, version, grad, stream);
+      continue;
+    }
     SegmentHeader* seg = p.seg;  // mine for d == rank_: my own slice goes through my own slot
     SlotHeader* slot = seg->slot(rank_);
     wait_until(
@@ -325,12 +289,14 @@ void Runtime::scatter_device(int unit, int64_t version, const float* grad, CUstr
   }
 }
 
-void Runtime::dev_accumulate(int unit, int client, int64_t count) {
+void Runtime::dev_accumulate(int unit, int client, int64_t count, int32_t where) {
   if (count <= 0) return;
   const std::string tag = "rank " + std::to_string(rank_) + ": accumulating the device push of rank " +
                           std::to_string(client) + " (unit " + std::to_string(unit) + ")";
   DeviceGuard guard(device_, tag);
-  const auto* src = reinterpret_cast<const float*>(dev_->block + seg_->dev_slots_off +
+  // The NVSHMEM block has the device block's layout.
+  const char* base = where == kSlotNvshmem ? nv_block_ : dev_->block;
+  const auto* src = reinterpret_cast<const float*>(base + seg_->dev_slots_off +
                                                    seg_->dev_slot_stride * static_cast<uint64_t>(client));
   float* acc = dev_->accum + dev_->accum_off[unit];
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
@@ -349,6 +315,12 @@ void Runtime::dev_publish(int unit, const float* shard) {
   auto* dst = reinterpret_cast<float*>(dev_->block + seg_->unit(unit)->dev_master_offset);
   check(cudaMemcpyAsync(dst, shard, static_cast<size_t>(shards_[unit]) * 4, cudaMemcpyHostToDevice, dev_->stream),
         tag);
+  if (nv_block_) {  // the copy nvshmem peers read
+    auto* nv_dst = reinterpret_cast<float*>(nv_block_ + seg_->unit(unit)->dev_master_offset);
+    check(cudaMemcpyAsync(nv_dst, dst, static_cast<size_t>(shards_[unit]) * 4, cudaMemcpyDeviceToDevice,
+                          dev_->stream),
+          tag + " (NVSHMEM block)");
+  }
   // Finished (not merely staged) before the caller stores the version that announces it.
   check(cudaStreamSynchronize(dev_->stream), tag);
 }
@@ -392,6 +364,8 @@ void Runtime::dev_release() {
   }
   // 1. None of my copies may still read the peers' blocks.
   for (cudaEvent_t ev : st->pending) cudaEventSynchronize(ev);
+  // NVSHMEM's teardown is collective, so it comes before the bounded wait for cuda_ipc mappers.
+  nv_release();
   // 2. Unmap the peers' blocks and clear my marks there, so they may free them.
   for (auto& p : peers_) {
     if (p->dev_base == nullptr) continue;

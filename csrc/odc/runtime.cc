@@ -49,7 +49,12 @@ bool pid_alive(int pid) {
 }
 
 // Wire format of the TCP transport.
-enum Op : uint32_t { kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kTask = 6, kBye = 7 };
+// kNv*: the control half of the nvshmem transport (the data moves through NVSHMEM): wait for a
+// publication (reply), wait for the client's slot to be free (reply), mark it full (no reply).
+enum Op : uint32_t {
+  kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kTask = 6, kBye = 7,
+  kNvWaitPublished = 8, kNvWaitSlot = 9, kNvCommit = 10
+};
 struct WireHeader {
   uint32_t op;
   int32_t rank;
@@ -212,7 +217,7 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
 
 Runtime::~Runtime() {
   try {
-    close();
+    close(false);
   } catch (...) {
   }
   if (seg_) munmap(seg_, seg_bytes_);
@@ -247,7 +252,9 @@ void Runtime::piece(int unit, int owner, int64_t* lo, int64_t* n) const {
 }
 
 bool Runtime::device_owner(int owner) const {
-  return dev_ != nullptr && (owner == rank_ || peers_[owner]->transport == Transport::kCudaIpc);
+  if (dev_ == nullptr) return false;
+  const Transport t = peers_[owner]->transport;
+  return owner == rank_ || t == Transport::kCudaIpc || (t == Transport::kNvshmem && nv_block_ != nullptr);
 }
 
 bool Runtime::has_host_owners() const {
@@ -300,7 +307,12 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
         throw Error("unit layout of rank " + std::to_string(cfg.rank) + " differs from rank " + std::to_string(rank_));
       peer.pid = peer.seg->pid;
       if (cfg.transport == Transport::kCudaIpc) dev_open_peer(peer);
-    } else if (cfg.transport == Transport::kTcp) {
+    } else if (uses_socket(cfg.transport)) {
+      if (cfg.transport == Transport::kNvshmem &&
+          (nv_block_ == nullptr || nv_pe_[cfg.rank] < 0 || nv_pe_[rank_] < 0))
+        throw Error("rank " + std::to_string(rank_) + ": nvshmem transport to rank " + std::to_string(cfg.rank) +
+                    ": " + (nv_block_ ? "that rank is not part of this rank's NVSHMEM job"
+                                      : "NVSHMEM is not initialised (init_nvshmem before connect)"));
       peer.fd = net::connect_tcp(cfg.host, cfg.port, timeout_s_, peer.name());
       send_request(peer.fd, peer.name(), timeout_s_, kHello, rank_, 0, 0, world_, layout_hash_);
       WireHeader r{};
@@ -375,7 +387,8 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
   std::vector<Peer*> remote;
   for (int d = 0; d < world_; ++d) {
     Peer& p = *peers_[d];
-    if (p.transport != Transport::kTcp) continue;
+    if (!uses_socket(p.transport)) continue;
+    if (route == Route::kHostOwners && device_owner(d)) continue;
     p.mu.lock();
     remote.push_back(&p);
     try {
@@ -389,7 +402,7 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
   try {
     for (int d = 0; d < world_; ++d) {
       Peer& p = *peers_[d];
-      if (p.transport == Transport::kTcp) continue;
+      if (uses_socket(p.transport)) continue;
       if (route == Route::kHostOwners && device_owner(d)) continue;
       int64_t lo, n;
       piece(d, &lo, &n);
@@ -492,7 +505,7 @@ void Runtime::done(int64_t version) {
   if (dev_) dev_sync_pending();
   for (int d = 0; d < world_; ++d) {
     Peer& p = *peers_[d];
-    if (p.transport == Transport::kTcp) {
+    if (uses_socket(p.transport)) {
       std::lock_guard<std::mutex> lock(p.mu);
       send_request(p.fd, p.name(), timeout_s_, kDone, rank_, 0, version);
     } else {
@@ -530,11 +543,52 @@ int64_t Runtime::local_next_task(int64_t version) { return claim_task(seg_->task
 int64_t Runtime::next_task(int64_t version) {
   check_open("next_task");
   Peer& p = *peers_[0];
-  if (p.transport != Transport::kTcp) return claim_task(p.seg->tasks[version % kRing], version);
+  if (!uses_socket(p.transport)) return claim_task(p.seg->tasks[version % kRing], version);
   std::lock_guard<std::mutex> lock(p.mu);
   send_request(p.fd, p.name(), timeout_s_, kTask, rank_, 0, version);
   return recv_reply(p.fd, p.name(), timeout_s_, "next_task at rank 0 failed for version " + std::to_string(version))
       .count;
+}
+
+// Control requests of the nvshmem transport; a failure marks NVSHMEM broken, so that close skips
+// its collective teardown (which would wait for the peer forever).
+void Runtime::nv_wait_published(Peer& p, int unit, int64_t version) {
+  const std::string what = "gather over nvshmem: rank " + std::to_string(rank_) + " waiting for " + p.name() +
+                           " to publish unit " + std::to_string(unit) + " version " + std::to_string(version);
+  std::lock_guard<std::mutex> lock(p.mu);
+  try {
+    send_request(p.fd, p.name(), timeout_s_, kNvWaitPublished, rank_, unit, version);
+    recv_reply(p.fd, p.name(), timeout_s_ + 5, what);
+  } catch (...) {
+    nv_broken_.store(true);
+    throw;
+  }
+}
+
+void Runtime::nv_wait_slot(Peer& p, int unit, int64_t version) {
+  const std::string what = "scatter_accumulate over nvshmem: rank " + std::to_string(rank_) +
+                           " waiting for its receive slot at " + p.name() + " (pushing unit " + std::to_string(unit) +
+                           " version " + std::to_string(version) + ")";
+  std::lock_guard<std::mutex> lock(p.mu);
+  try {
+    send_request(p.fd, p.name(), timeout_s_, kNvWaitSlot, rank_, unit, version);
+    recv_reply(p.fd, p.name(), timeout_s_ + 5, what);
+  } catch (...) {
+    nv_broken_.store(true);
+    throw;
+  }
+}
+
+void Runtime::nv_commit(Peer& p, int unit, int64_t version, int64_t count) {
+  std::lock_guard<std::mutex> lock(p.mu);
+  try {
+    send_request(p.fd, p.name(), timeout_s_, kNvCommit, rank_, unit, version, count);
+  } catch (const std::exception& e) {
+    nv_broken_.store(true);
+    throw PeerError("scatter_accumulate over nvshmem: rank " + std::to_string(rank_) + " raising its slot at " +
+                    p.name() + " (unit " + std::to_string(unit) + " version " + std::to_string(version) +
+                    "): " + e.what());
+  }
 }
 
 void Runtime::wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer, const std::string& what) {
@@ -559,7 +613,7 @@ std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
     Peer& p = *peers_[d];
     const std::string what = "waiting for the scalar of " + p.name() + " (call " + std::to_string(seq) +
                              ", minibatch " + std::to_string(version) + ")";
-    if (p.transport == Transport::kTcp) {
+    if (uses_socket(p.transport)) {
       std::lock_guard<std::mutex> lock(p.mu);
       send_request(p.fd, p.name(), timeout_s_, kScalar, rank_, 0, seq);
       out[d] = recv_reply(p.fd, p.name(), timeout_s_ + 5, what).value;
@@ -605,7 +659,7 @@ bool Runtime::drain_slots() {
       if (daemon_error_.empty())
         daemon_error_ = "rank " + std::to_string(c) + " pushed a malformed message (unit " + std::to_string(unit) +
                         ", " + std::to_string(count) + " elements) to rank " + std::to_string(rank_);
-    } else if (slot->where == kSlotDevice) {
+    } else if (slot->where == kSlotDevice || slot->where == kSlotNvshmem) {
       if (dev_ == nullptr) {
         std::lock_guard<std::mutex> lock(error_mu_);
         if (daemon_error_.empty())
@@ -613,7 +667,7 @@ bool Runtime::drain_slots() {
                           " into device memory of rank " + std::to_string(rank_) + ", which has no device";
       } else if (accept_push(unit, slot->version, c)) {
         try {
-          dev_accumulate(unit, c, count);
+          dev_accumulate(unit, c, count, slot->where);
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(error_mu_);
           if (daemon_error_.empty()) daemon_error_ = e.what();
@@ -889,6 +943,54 @@ void Runtime::serve_connection(int fd) {
           net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
           break;
         }
+        case kNvWaitPublished: {
+          if (h.unit < 0 || h.unit >= num_units()) {
+            reply_error("rank " + std::to_string(rank_) + " has no unit " + std::to_string(h.unit));
+            break;
+          }
+          try {
+            wait_published(h.unit, h.version, nullptr,
+                           "publishing unit " + std::to_string(h.unit) + " version " + std::to_string(h.version) +
+                               " for rank " + std::to_string(client) + " (gather over nvshmem)");
+          } catch (const Error& e) {
+            reply_error(e.what());
+            break;
+          }
+          WireHeader r{};
+          r.version = seg_->unit(h.unit)->version.load();
+          net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+          break;
+        }
+        case kNvWaitSlot: {
+          SlotHeader* slot = seg_->slot(client);
+          try {
+            wait_for(&seg_->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; },
+                     nullptr, "draining the receive slot of rank " + std::to_string(client) + " (push over nvshmem)");
+          } catch (const Error& e) {
+            reply_error(e.what());
+            break;
+          }
+          WireHeader r{};
+          net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
+          break;
+        }
+        case kNvCommit: {
+          // The client put its data into my NVSHMEM block and completed it (quiet) before this.
+          if (h.unit < 0 || h.unit >= num_units() || h.count < 0 || h.count > shards_[h.unit])
+            throw PeerError("malformed nvshmem push (unit " + std::to_string(h.unit) + ", " +
+                            std::to_string(h.count) + " elements)");
+          if (nv_block_ == nullptr) throw PeerError("an nvshmem push, but rank " + std::to_string(rank_) + " has no NVSHMEM block");
+          SlotHeader* slot = seg_->slot(client);
+          if (slot->state.load(std::memory_order_acquire) != kSlotFree)
+            throw PeerError("an nvshmem push into a receive slot that was not free");
+          slot->unit = h.unit;
+          slot->version = h.version;
+          slot->count = h.count;
+          slot->where = kSlotNvshmem;
+          slot->state.store(kSlotFull, std::memory_order_release);
+          signal_event(&seg_->doorbell);
+          break;
+        }
         case kBye:
           said_bye = true;
           break;
@@ -912,11 +1014,12 @@ void Runtime::serve_connection(int fd) {
   }
 }
 
-void Runtime::close() {
+void Runtime::close(bool collective) {
   if (closed_) return;
+  nv_collective_close_ = collective;
   if (current_runtime() == this) set_current_runtime(nullptr);
   for (auto& p : peers_) {
-    if (p->transport == Transport::kTcp && p->fd >= 0) {
+    if (uses_socket(p->transport) && p->fd >= 0) {
       try {
         std::lock_guard<std::mutex> lock(p->mu);
         send_request(p->fd, p->name(), 1.0, kBye, rank_);
@@ -1005,7 +1108,20 @@ void Runtime::scatter_device(int, int64_t, const float*, CUstream_st*) {
 }
 void Runtime::dev_publish(int, const float*) {}
 void Runtime::dev_fetch_add(int, float*) {}
-void Runtime::dev_accumulate(int, int, int64_t) {}
+void Runtime::dev_accumulate(int, int, int64_t, int32_t) {}
+std::string Runtime::nvshmem_uniqueid() {
+  throw Error("rank " + std::to_string(rank_) + ": the nvshmem transport needs a CUDA build of jaxodc");
+}
+void Runtime::init_nvshmem(const std::string&, const std::vector<int>&) {
+  throw Error("rank " + std::to_string(rank_) + ": the nvshmem transport needs a CUDA build of jaxodc");
+}
+void Runtime::nv_gather_owner(Peer&, int, int64_t, float*, CUstream_st*) {
+  throw Error("gather over nvshmem: jaxodc was built without CUDA");
+}
+void Runtime::nv_push_owner(Peer&, int, int64_t, const float*, CUstream_st*) {
+  throw Error("scatter_accumulate over nvshmem: jaxodc was built without CUDA");
+}
+void Runtime::nv_release() {}
 void Runtime::dev_sync_pending() {}
 void Runtime::dev_release() {}
 

@@ -15,6 +15,11 @@
 // (versions, slot states, done markers, futex wake-ups) stay in the host segment and only the data
 // moves GPU to GPU (cuda_ipc.cu). publish writes both masters, so every transport can read any
 // owner; the owner's gradient is the sum of its host and device accumulators.
+//
+// Peers on other hosts whose ranks both have a device use the `nvshmem` transport (nvshmem.cu,
+// through the optional plugin of csrc/odc/nvshmem): every such rank also keeps a symmetric NVSHMEM
+// block with the device block's layout; the control words travel over the rank's TCP connection
+// and the data moves with NVSHMEM's stream-ordered get / put.
 #pragma once
 
 #include <atomic>
@@ -40,7 +45,11 @@ struct SlotHeader;
 struct DeviceState;  // a rank's device memory and streams (cuda_ipc.cu)
 
 // kCudaIpc: the shm control segment plus the peer's device block mapped with CUDA IPC.
-enum class Transport : int { kSelf = 0, kShm = 1, kTcp = 2, kCudaIpc = 3 };
+// kNvshmem: control over the peer's TCP connection, data in the NVSHMEM symmetric blocks.
+enum class Transport : int { kSelf = 0, kShm = 1, kTcp = 2, kCudaIpc = 3, kNvshmem = 4 };
+
+// Transports whose control requests go over the peer's TCP connection.
+inline bool uses_socket(Transport t) { return t == Transport::kTcp || t == Transport::kNvshmem; }
 
 // Which owners a worker operation serves: all, or only those not reached through device memory
 // (the CUDA handlers move device owners themselves and stage the rest through the host).
@@ -50,7 +59,7 @@ struct PeerConfig {
   int rank = -1;
   Transport transport = Transport::kShm;
   std::string shm_name;  // for kShm and kCudaIpc
-  std::string host;      // for kTcp
+  std::string host;      // for kTcp and kNvshmem
   int port = 0;
   int pid = 0;
 };
@@ -89,6 +98,14 @@ class Runtime {
   int device() const { return device_; }  // -1 without a device
   const std::string& device_uuid() const { return device_uuid_; }
 
+  // NVSHMEM (nvshmem.cu; after enable_device, before connect). nvshmem_uniqueid: a fresh bootstrap
+  // id, made by the rank that becomes PE 0. init_nvshmem: joins that NVSHMEM job as PE
+  // pe_of_rank[rank()] (-1 marks ranks outside it) and allocates the symmetric block; collective
+  // over the job's ranks.
+  std::string nvshmem_uniqueid();
+  void init_nvshmem(const std::string& uid, const std::vector<int>& pe_of_rank);
+  bool nvshmem_active() const { return nv_block_ != nullptr; }
+
   // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
   // handshake).
   void connect(const std::vector<PeerConfig>& peers);
@@ -102,7 +119,8 @@ class Runtime {
                           int64_t grad_numel, Route route = Route::kAll);
   // [lo, lo + n) of the flat unit that `owner` holds (n may be 0 for trailing owners).
   void piece(int unit, int owner, int64_t* lo, int64_t* n) const;
-  // True when the CUDA handlers reach `owner` through device memory (self or a cuda_ipc peer).
+  // True when the CUDA handlers reach `owner` through device memory (self, a cuda_ipc or an nvshmem
+  // peer).
   bool device_owner(int owner) const;
   bool has_host_owners() const;
   // Device-memory worker operations (cuda_ipc.cu) for the device owners only; `out` / `grad` are
@@ -133,7 +151,9 @@ class Runtime {
   int64_t published_version(int unit) const;
   void read_shard(int unit, float* out, int64_t out_numel) const;
 
-  void close();
+  // `collective`: every rank is closing too (the Python close barrier passed), so the collective
+  // NVSHMEM teardown (nvshmem_free, finalize) cannot block on a peer that is gone.
+  void close(bool collective = true);
 
  private:
   struct Peer;
@@ -155,9 +175,18 @@ class Runtime {
   void dev_open_peer(Peer& peer);
   void dev_publish(int unit, const float* shard);
   void dev_fetch_add(int unit, float* out);  // out += device accumulator, which is zeroed
-  void dev_accumulate(int unit, int client, int64_t count);  // daemon: device slot -> accumulator
+  // daemon: the client's device (kSlotDevice) or NVSHMEM (kSlotNvshmem) slot -> device accumulator
+  void dev_accumulate(int unit, int client, int64_t count, int32_t where);
   void dev_sync_pending();                   // waits for enqueued device gathers
   void dev_release();                        // close: unmap peers, free the block when unmapped
+  // NVSHMEM internals (nvshmem.cu): one owner's piece of a device gather / push, the teardown.
+  void nv_gather_owner(Peer& peer, int unit, int64_t version, float* out, CUstream_st* stream);
+  void nv_push_owner(Peer& peer, int unit, int64_t version, const float* grad, CUstream_st* stream);
+  void nv_release();
+  // The control requests of an nvshmem push / gather on the owner's TCP server (runtime.cc).
+  void nv_wait_published(Peer& peer, int unit, int64_t version);
+  void nv_wait_slot(Peer& peer, int unit, int64_t version);
+  void nv_commit(Peer& peer, int unit, int64_t version, int64_t count);
   void serve_loop();
   void serve_connection(int fd);
   // Operations performed on this rank's own segment (for itself, or for a TCP client).
@@ -210,6 +239,11 @@ class Runtime {
   std::string device_uuid_;
   int64_t device_bytes_ = 0;
   DeviceState* dev_ = nullptr;  // owned; freed by dev_release
+
+  char* nv_block_ = nullptr;   // NVSHMEM symmetric block (device block layout), or null
+  std::vector<int> nv_pe_;     // NVSHMEM PE of each rank, -1 outside the NVSHMEM job
+  std::atomic<bool> nv_broken_{false};  // a control request to an nvshmem peer failed
+  bool nv_collective_close_ = true;
 };
 
 // Unlinks /dev/shm/jaxodc_* segments whose creating process is gone (crash recovery).
@@ -219,6 +253,11 @@ int reclaim_stale_segments();
 // process sees (empty without CUDA, driver or device).
 bool cuda_built();
 std::vector<std::string> cuda_device_uuids();
+
+// The NVSHMEM plugin (nvshmem_loader.cc), loaded at most once per process: "" once loaded, else
+// why not (the dlopen / symbol / ABI message). nvshmem_version: "NVSHMEM x.y.z", "" when not loaded.
+std::string nvshmem_load(const std::string& path);
+std::string nvshmem_version();
 
 // The runtime FFI handlers use; set by the Python Runtime object.
 Runtime* current_runtime();

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "odc/nvshmem/plugin_api.h"
 #include "odc/runtime.h"
 
 namespace jaxodc::odc {
@@ -14,12 +15,17 @@ namespace jaxodc::odc {
 constexpr uint64_t kMagic = 0x3130434f444f584aULL;  // "JXODOC01"
 constexpr int kRing = 8;  // versions in flight differ by at most 1; 8 entries leave ample margin
 constexpr uint32_t kSlotFree = 0, kSlotFull = 1;
-// Where the data of a full slot lies: the owner's host segment, or its device block (cuda_ipc).
-constexpr int32_t kSlotHost = 0, kSlotDevice = 1;
+// Where the data of a full slot lies: the owner's host segment, its device block (cuda_ipc), or
+// its NVSHMEM block (nvshmem).
+constexpr int32_t kSlotHost = 0, kSlotDevice = 1, kSlotNvshmem = 2;
 constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t); checked in cuda_ipc.cu
 
 // A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
 bool pid_alive(int pid);
+
+// The loaded NVSHMEM plugin's table, or null (nvshmem_loader.cc); nvshmem_load_error says why.
+const JaxodcNvshmemApi* nvshmem_api();
+std::string nvshmem_load_error();
 
 inline bool is_mapped(Transport t) { return t == Transport::kShm || t == Transport::kCudaIpc; }
 
@@ -36,7 +42,7 @@ struct alignas(64) SlotHeader {
   int32_t unit;
   int64_t version;
   int64_t count;
-  int32_t where;  // kSlotHost / kSlotDevice, written by the pusher with the data
+  int32_t where;  // kSlotHost / kSlotDevice / kSlotNvshmem, written with the data
   // The client's pid while it maps this owner's device block (0 otherwise): the owner frees the
   // block only when no live client maps it any more.
   std::atomic<int32_t> mapper_pid;

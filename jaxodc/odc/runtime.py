@@ -10,12 +10,17 @@ Typical use (one process per rank)::
 
 Transports per peer pair: "shm" (POSIX shared memory, same host), "tcp" (anywhere) and, when both
 ranks keep their server memory on a GPU, "cuda_ipc" (same host: the data moves GPU to GPU, the
-control words stay in shared memory). `device="auto"` puts the server memory on the GPU when jax
-runs on one (call jaxodc.dist.init_jax_distributed first: this looks at jax's backend).
+control words stay in shared memory) and, across hosts, "nvshmem" (the data moves with NVSHMEM
+between symmetric GPU blocks, the control words over tcp; needs the plugin jaxodc/_nvshmem_plugin.so,
+built when the nvidia-nvshmem-cu13 wheel is present). `device="auto"` puts the server memory on the
+GPU when jax runs on one (call jaxodc.dist.init_jax_distributed first: this looks at jax's backend).
+NVSHMEM's bootstrap picks a network interface itself; NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME overrides it.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
+import glob
 import os
 import socket
 import weakref
@@ -27,7 +32,8 @@ import numpy as np
 
 from jaxodc._native import C as _C
 
-TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3}
+TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3, "nvshmem": 4}
+NVSHMEM_PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_nvshmem_plugin.so")
 
 OdcError = _C.OdcError
 OdcTimeoutError = _C.OdcTimeoutError
@@ -58,6 +64,36 @@ class PeerInfo:
     shm_name: str
     unit_sizes: tuple[int, ...]
     device_uuid: str = ""  # "" when the rank keeps its server memory on the host only
+    nvshmem_error: str = "not tried"  # "" when the rank can use nvshmem (plugin loaded, device present)
+
+
+def nvshmem_usable(info: PeerInfo) -> bool:
+    return bool(info.device_uuid) and not info.nvshmem_error
+
+
+_nvshmem_status: str | None = None
+
+
+def load_nvshmem_plugin() -> str:
+    """Loads the NVSHMEM plugin into this process (once): "" when loaded, else why it cannot be."""
+    global _nvshmem_status
+    if _nvshmem_status is None:
+        if not os.path.exists(NVSHMEM_PLUGIN):
+            _nvshmem_status = (f"{NVSHMEM_PLUGIN} does not exist (jaxodc was built without nvcc or without the "
+                               "nvidia-nvshmem-cu13 wheel)")
+        else:
+            # The plugin's rpath names the wheel it was built with; a wheel in this interpreter's
+            # environment is preferred when present.
+            try:
+                import nvidia
+                for base in nvidia.__path__:
+                    for lib in sorted(glob.glob(os.path.join(base, "nvshmem", "lib", "libnvshmem_host.so.*"))):
+                        ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+                        break
+            except (ImportError, OSError):
+                pass  # the plugin's dlopen reports what is missing
+            _nvshmem_status = _C.odc_nvshmem_load(NVSHMEM_PLUGIN)
+    return _nvshmem_status
 
 
 def check_layouts(infos: Sequence[PeerInfo]) -> None:
@@ -82,17 +118,23 @@ def choose_transport(me: PeerInfo, peer: PeerInfo, override: str | Mapping[int, 
     same_host = peer.host_id == me.host_id
     if override == "auto":
         if not same_host:
-            return "tcp"
+            return "nvshmem" if nvshmem_usable(me) and nvshmem_usable(peer) else "tcp"
         return "cuda_ipc" if me.device_uuid and peer.device_uuid else "shm"
-    if override not in ("shm", "tcp", "cuda_ipc"):
-        raise ValueError(f"unknown ODC transport {override!r} for rank {peer.rank}; use auto, shm, tcp or cuda_ipc")
+    if override not in ("shm", "tcp", "cuda_ipc", "nvshmem"):
+        raise ValueError(f"unknown ODC transport {override!r} for rank {peer.rank}; "
+                         "use auto, shm, tcp, cuda_ipc or nvshmem")
     if override in ("shm", "cuda_ipc") and not same_host:
         raise ValueError(f"rank {peer.rank} runs on another host ({peer.host_id}); {override} cannot reach it")
-    if override == "cuda_ipc":
+    if override in ("cuda_ipc", "nvshmem"):
         for info in (me, peer):
             if not info.device_uuid:
-                raise ValueError(f"cuda_ipc between ranks {me.rank} and {peer.rank}: rank {info.rank} keeps its "
+                raise ValueError(f"{override} between ranks {me.rank} and {peer.rank}: rank {info.rank} keeps its "
                                  "server memory on the host (Runtime(device=...) is None or no GPU)")
+    if override == "nvshmem":
+        for info in (me, peer):
+            if info.nvshmem_error:
+                raise ValueError(f"nvshmem between ranks {me.rank} and {peer.rank}: rank {info.rank} cannot use "
+                                 f"the nvshmem plugin: {info.nvshmem_error}")
     return override
 
 
@@ -154,8 +196,9 @@ class Runtime:
                 self._native.enable_device(ordinal)
             self.device = ordinal
             advertised = socket.gethostname() if listen_host == "0.0.0.0" else listen_host
+            nvshmem_error = "no device" if ordinal is None or world == 1 else load_nvshmem_plugin()
             me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
-                          self._native.shm_name, self.unit_sizes, self._native.device_uuid)
+                          self._native.shm_name, self.unit_sizes, self._native.device_uuid, nvshmem_error)
             if world > 1:
                 raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
                 infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
@@ -164,6 +207,7 @@ class Runtime:
                 infos = [me]
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
+            self.nvshmem = self._join_nvshmem(infos, rendezvous)
             self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port, i.pid)
                                   for i, t in zip(infos, self.transports)])
             if world > 1:
@@ -171,12 +215,31 @@ class Runtime:
             # Every peer has mapped our segment: drop its name so a crash leaves nothing behind.
             self._native.unlink_segment()
         except BaseException:
-            self._native.close()
+            self._native.close(collective=False)
             raise
         self._native.make_current()
         self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._closed = False
         _live.add(self)
+
+    def _join_nvshmem(self, infos: Sequence[PeerInfo], rendezvous) -> bool:
+        """Joins the NVSHMEM job when any rank chose nvshmem for a peer: every rank able to use it
+        is a PE (NVSHMEM's setup is collective), in rank order; the rank that is PE 0 makes the
+        bootstrap id. Returns whether this rank joined."""
+        members = [i.rank for i in infos if nvshmem_usable(i)]
+        if len(members) < 2:  # nvshmem is only ever chosen between two such ranks
+            return False
+        key = f"odc/{self.job_id}"
+        rows = rendezvous.allgather(f"{key}/transports", msgpack.packb(self.transports), self.world)
+        if not any("nvshmem" in msgpack.unpackb(r) for r in rows):
+            return False
+        uid = self._native.nvshmem_uniqueid() if self.rank == members[0] else b""
+        uids = rendezvous.allgather(f"{key}/nvshmem_uid", uid, self.world)
+        if self.rank not in members:
+            return False
+        self._native.init_nvshmem(uids[members[0]], [members.index(r) if r in members else -1
+                                                     for r in range(self.world)])
+        return True
 
     @classmethod
     def create(cls, unit_sizes: Sequence[int], ctx, **kwargs) -> "Runtime":
@@ -261,11 +324,13 @@ class Runtime:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        collective = False  # NVSHMEM's teardown waits for every rank: only after the barrier
         try:
             if barrier and self.world > 1:
                 self._rendezvous.barrier(f"odc/{self.job_id}/close", self.world, self._timeout_s)
+            collective = barrier
         finally:
-            self._native.close()
+            self._native.close(collective=collective)
 
     def __enter__(self):
         return self

@@ -141,13 +141,13 @@ def test_exchange_on_cuda(transport, device, expect):
         assert out["pushes"] > 0, out
 
 
-def dying_body(ctx, mode, report):
+def dying_body(ctx, mode, report, transport="auto", expect="cuda_ipc"):
     import jax
     import jax.numpy as jnp
     from jaxodc.odc import Runtime
     from jaxodc.ops import odc_gather, odc_scatter_accumulate
-    rt = Runtime.create([1000], ctx, timeout_s=20.0)
-    assert rt.transports[1 - ctx.rank] == "cuda_ipc", rt.transports
+    rt = Runtime.create([1000], ctx, transport=transport, timeout_s=20.0)
+    assert rt.transports[1 - ctx.rank] == expect, rt.transports
     publish_all(rt, 0)
     shard = jax.device_put(rt.read_shard(0))
     if mode == "gather":  # finish minibatch 0 so that only rank 1's version 1 is missing
