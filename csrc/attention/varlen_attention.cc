@@ -284,8 +284,19 @@ void for_each_run(const int32_t* seg, int64_t T, Fn&& fn) {
   }
 }
 
+// Denormals flushed to zero while the kernel runs (restored after): probabilities near the exp
+// clamp times small values would otherwise hit the slow denormal path.
+struct FlushDenormals {
+#ifdef JAXODC_ATTENTION_X86
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
 template <typename Body>
 ffi::Error guarded(const char* op, Body&& body) {
+  FlushDenormals ftz;
   try {
     body();
   } catch (const std::bad_alloc&) {
@@ -317,7 +328,7 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
         for (int64_t h = 0; h < g.H; ++h) {
           const std::ptrdiff_t at = ((b * g.T + s0) * g.H + h) * g.Dh;
           float* l = lp + (b * g.H + h) * g.T + s0;
-          if (pad) {  // attends only to itself: o = v, lse = its one scaled score
+          if (pad || n == 1) {  // attends only to itself: o = v, lse = its one scaled score
             float s = 0.f;
             for (int64_t d = 0; d < g.Dh; ++d) s += qp[at + d] * kp[at + d];
             std::memcpy(op_ + at, vp + at, sizeof(float) * g.Dh);
@@ -363,7 +374,7 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
       for_each_run(sp + b * g.T, g.T, [&](int64_t s0, int64_t n, bool pad) {
         for (int64_t h = 0; h < g.H; ++h) {
           const std::ptrdiff_t at = ((b * g.T + s0) * g.H + h) * g.Dh;
-          if (pad) {  // o = v: dv = do, and dS = P (do.v - do.o) = 0 gives dq = dk = 0
+          if (pad || n == 1) {  // o = v: dv = do, and dS = P (do.v - do.o) = 0 gives dq = dk = 0
             std::memcpy(dvp + at, dop + at, sizeof(float) * g.Dh);
             std::memset(dqp + at, 0, sizeof(float) * g.Dh);
             std::memset(dkp + at, 0, sizeof(float) * g.Dh);
