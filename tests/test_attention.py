@@ -126,10 +126,11 @@ def test_bfloat16_inputs():
 
 def test_vmap_runs_the_kernel_per_element():
     q, k, v, seg, _ = _data(8, 3, 33, 2, 16, ["mixed", "padded", "full"])
-    f = lambda q, k, v, s: segment_attention(q[None], k[None], v[None], s[None], impl="kernel")[0]  # noqa: E731
-    got = jax.jit(jax.vmap(f))(q, k, v, seg)
     want = segment_attention(q, k, v, seg, impl="dense")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for impl in ("kernel", "auto"):
+        f = lambda q, k, v, s: segment_attention(q[None], k[None], v[None], s[None], impl=impl)[0]  # noqa: E731
+        got = jax.jit(jax.vmap(f))(q, k, v, seg)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=impl)
 
 
 def test_lm_kernel_equals_dense_on_a_packed_batch():

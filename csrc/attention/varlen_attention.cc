@@ -29,7 +29,7 @@ namespace {
 
 // Per-call scratch buffers, grown on demand (one call runs on one thread).
 struct Scratch {
-  std::vector<float> buf[10];
+  std::vector<float> buf[11];
   float* get(int slot, std::size_t n) {
     if (buf[slot].size() < n) buf[slot].resize(n);
     return buf[slot].data();
@@ -369,7 +369,6 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   const std::ptrdiff_t ts = g.H * g.Dh;
   return guarded(op, [&] {
     Scratch w;
-    std::vector<float> D(static_cast<std::size_t>(g.T));
     for (int64_t b = 0; b < g.B; ++b)
       for_each_run(sp + b * g.T, g.T, [&](int64_t s0, int64_t n, bool pad) {
         for (int64_t h = 0; h < g.H; ++h) {
@@ -380,12 +379,7 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
             std::memset(dkp + at, 0, sizeof(float) * g.Dh);
             continue;
           }
-          for (int64_t t = 0; t < n; ++t) {  // D_i = rowsum(dO_i o O_i)
-            float s = 0.f;
-            for (int64_t d = 0; d < g.Dh; ++d) s += dop[at + t * ts + d] * opp[at + t * ts + d];
-            D[t] = s;
-          }
-          impl->bwd(qp + at, kp + at, vp + at, dop + at, lp + (b * g.H + h) * g.T + s0, D.data(), dqp + at, dkp + at,
+          impl->bwd(qp + at, kp + at, vp + at, opp + at, dop + at, lp + (b * g.H + h) * g.T + s0, dqp + at, dkp + at,
                     dvp + at, ts, static_cast<int>(n), static_cast<int>(g.Dh), g.scale, w);
         }
       });
