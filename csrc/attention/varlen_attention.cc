@@ -263,8 +263,10 @@ ffi::Error check_common(const char* op, const ffi::AnyBuffer& q, const ffi::AnyB
   if (auto e = check_arg(op, "q", q, ffi::DataType::F32, {-1, -1, -1, -1}, "[B, T, H, Dh]"); e.failure()) return e;
   auto d = q.dimensions();
   *g = Geometry{d[0], d[1], d[2], d[3], d[3] > 0 ? 1.f / std::sqrt(static_cast<float>(d[3])) : 1.f};
-  if (g->Dh < 1 || g->T > std::numeric_limits<int>::max() / 64)
-    return ffi::Error::InvalidArgument(std::string(op) + ": q has unsupported shape " + describe(q));
+  // Tile offsets inside one run are int: T * (padded Dh) must fit.
+  if (g->Dh < 1 || g->T * (g->Dh + 64) > std::numeric_limits<int>::max())
+    return ffi::Error::InvalidArgument(std::string(op) + ": q " + describe(q) +
+                                       " is outside the kernel's range (Dh >= 1, T * (Dh + 64) < 2^31)");
   const std::vector<int64_t> bthd = {g->B, g->T, g->H, g->Dh};
   if (auto e = check_arg(op, "k", k, ffi::DataType::F32, bthd, "[B, T, H, Dh] like q"); e.failure()) return e;
   if (auto e = check_arg(op, "v", v, ffi::DataType::F32, bthd, "[B, T, H, Dh] like q"); e.failure()) return e;
