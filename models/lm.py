@@ -6,9 +6,11 @@ parameters right before its stage and drop them after. Carry between units: hidd
 [B, T, d]. The "head" unit returns per-token losses (cross entropy x loss_mask, [B, T]); the
 training loss is their sum divided by the global token count of the minibatch.
 
-Attention is causal *within a packed sample only*: token i attends to token j iff j <= i and both
-carry the same segment id (padding, segment 0, only sees padding). RoPE uses per-sample positions,
-so a packed sample computes exactly what it computes alone."""
+Attention is causal *within a packed sample only* (jaxodc.ops.segment_attention): token i attends
+to token j iff j <= i and both lie in the same sample (a padding token, segment 0, sees only
+itself). RoPE uses per-sample positions, so a packed sample computes exactly what it computes
+alone. `LMConfig.attention` picks the implementation ("auto": the variable-length kernel on CPU,
+whose cost follows the samples' lengths, not the row's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from jaxodc.ops.attention import IMPLS, segment_attention
 from jaxodc.train.units import StagedModel
 
 
@@ -28,6 +31,7 @@ class LMConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     rope_base: float = 10000.0
+    attention: str = "auto"  # segment_attention impl: "auto", "dense" or "kernel"
 
 
 def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
@@ -38,14 +42,6 @@ def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
     c, s = jnp.cos(ang), jnp.sin(ang)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, T, T] boolean: same segment and not in the future."""
-    T = segment_ids.shape[-1]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    return (same & causal)[:, None]
 
 
 class Embed(nn.Module):
@@ -69,10 +65,7 @@ class Block(nn.Module):
         qkv = nn.Dense(3 * d, use_bias=False, kernel_init=init, name="qkv")(h).reshape(B, T, 3, H, Dh)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(Dh))
-        logits = jnp.where(segment_causal_mask(segment_ids), logits, jnp.finfo(logits.dtype).min)
-        att = jax.nn.softmax(logits, axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, d)
+        o = segment_attention(q, k, v, segment_ids, impl=cfg.attention).reshape(B, T, d)
         x = x + nn.Dense(d, use_bias=False, kernel_init=init, name="proj")(o)
         h = nn.RMSNorm(name="mlp_norm")(x)
         h = nn.Dense(cfg.mlp_ratio * d, kernel_init=init, name="up")(h)
@@ -100,6 +93,8 @@ class LM(StagedModel):
     def __init__(self, cfg: LMConfig = LMConfig()):
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
             raise ValueError(f"d_model={cfg.d_model} must split into n_heads={cfg.n_heads} heads of even size")
+        if cfg.attention not in IMPLS:
+            raise ValueError(f"attention={cfg.attention!r} must be one of {IMPLS}")
         self.cfg = cfg
         self.unit_names = ("embed",) + tuple(f"block_{i}" for i in range(cfg.n_layers)) + ("head",)
         self._embed, self._block, self._head = Embed(cfg), Block(cfg), Head(cfg)

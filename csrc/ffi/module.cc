@@ -12,6 +12,7 @@ NB_MODULE(_C, m) {
   jaxodc::bind_odc(m, targets);
   jaxodc::bind_ring(m, targets);
   jaxodc::bind_hash(m, targets);
+  jaxodc::bind_attention(m, targets);
 #ifdef JAXODC_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

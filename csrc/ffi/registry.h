@@ -23,5 +23,6 @@ inline void add_target(nb::dict& targets, const char* name, const char* platform
 void bind_odc(nb::module_& m, nb::dict& targets);
 void bind_ring(nb::module_& m, nb::dict& targets);
 void bind_hash(nb::module_& m, nb::dict& targets);
+void bind_attention(nb::module_& m, nb::dict& targets);
 
 }  // namespace jaxodc

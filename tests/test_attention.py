@@ -1,0 +1,180 @@
+"""segment_attention: the variable-length CPU kernel (every instruction set this CPU runs) against
+the dense masked reference, and the dense reference against a float64 numpy loop."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxodc import _C
+from jaxodc.ops import segment_attention
+from jaxodc.ops.attention import ISAS, _segment_attention
+from jaxodc.train.packing import pack
+from models.lm import LM, LMConfig
+
+AVAILABLE = [ISAS.index(name) + 1 for name in _C.attention_isas()]
+
+
+def _layout(rng, kinds, T):
+    """[len(kinds), T] segment ids, one row per kind."""
+    rows = []
+    for kind in kinds:
+        if kind == "full":  # one sample fills the row
+            rows.append(np.full(T, 3, np.int32))
+            continue
+        lens, left = [], T - (rng.integers(1, T // 4) if kind == "padded" else 0)
+        while left > 0:
+            s = int(min(left, rng.choice([1, 2, rng.integers(3, 24), rng.integers(24, 90)])))
+            lens.append(s)
+            left -= s
+        ids = np.concatenate([np.full(s, n + 1, np.int32) for n, s in enumerate(lens)])
+        rows.append(np.pad(ids, (0, T - len(ids))))  # padding (0) at the end
+    return np.stack(rows)
+
+
+def _data(seed, B, T, H, Dh, kinds):
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal((B, T, H, Dh)).astype(np.float32) for _ in range(4))
+    return q, k, v, _layout(rng, kinds, T), do
+
+
+def _fwd_bwd(impl, isa=0):
+    def f(q, k, v, seg, do):
+        o, vjp = jax.vjp(lambda q, k, v: _segment_attention(q, k, v, seg, impl=impl, isa=isa), q, k, v)
+        return (o, *vjp(do))
+    return jax.jit(f)
+
+
+def _numpy_reference(q, k, v, seg):
+    """float64 loop: token i attends to j <= i of its own contiguous run; padding only to itself."""
+    B, T, H, Dh = q.shape
+    out = np.zeros((B, T, H, Dh))
+    for b in range(B):
+        for i in range(T):
+            if seg[b, i] == 0:
+                keys = [i]
+            else:
+                j = i
+                while j > 0 and seg[b, j - 1] == seg[b, i]:
+                    j -= 1
+                keys = list(range(j, i + 1))
+            for h in range(H):
+                s = np.array([q[b, i, h] @ k[b, j, h] for j in keys], np.float64) / np.sqrt(Dh)
+                p = np.exp(s - s.max())
+                out[b, i, h] = (p / p.sum()) @ v[b, keys, h].astype(np.float64)
+    return out
+
+
+def test_dense_reference_matches_numpy():
+    q, k, v, seg, _ = _data(0, 2, 23, 2, 8, ["padded", "mixed"])
+    seg[1, 5:9] = 1  # an id reused by a later run is a separate sample
+    seg[1, 9:12] = 0  # padding between samples
+    ref = _numpy_reference(q, k, v, seg)
+    for impl in ("dense", "kernel"):
+        got = np.asarray(jax.jit(lambda *a: segment_attention(*a, impl=impl))(q, k, v, seg))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+@pytest.mark.parametrize("Dh,T,H", [(16, 173, 3), (32, 131, 2), (64, 150, 2)])
+def test_kernel_matches_dense(Dh, T, H):
+    q, k, v, seg, do = _data(Dh, 4, T, H, Dh, ["mixed", "full", "padded", "mixed"])
+    want = [np.asarray(x) for x in _fwd_bwd("dense")(q, k, v, seg, do)]
+    assert (want[0] != 0).all() and all(np.abs(g).max() > 0.1 for g in want[1:])
+    for isa in AVAILABLE:
+        got = _fwd_bwd("kernel", isa)(q, k, v, seg, do)
+        for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+            tol = dict(rtol=1e-5, atol=1e-6) if name == "o" else dict(rtol=2e-5, atol=5e-6)
+            np.testing.assert_allclose(np.asarray(g), w, **tol, err_msg=f"{name} isa={ISAS[isa - 1]}")
+
+
+def test_padding_attends_to_itself_only():
+    q, k, v, seg, do = _data(5, 1, 40, 2, 16, ["padded"])
+    seg[0, 30:] = 0
+    o, dq, dk, dv = (np.asarray(x) for x in _fwd_bwd("kernel")(q, k, v, seg, do))
+    pad = seg[0] == 0
+    np.testing.assert_array_equal(o[0, pad], v[0, pad])
+    np.testing.assert_array_equal(dv[0, pad], do[0, pad])
+    assert not dq[0, pad].any() and not dk[0, pad].any()
+    # Real tokens neither see the padding's q/k/v nor send it gradient.
+    q2, k2, v2 = (x.copy() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[0, pad] = 7.0
+    o2, dq2, dk2, dv2 = (np.asarray(x) for x in _fwd_bwd("kernel")(q2, k2, v2, seg, do))
+    for a, b in ((o, o2), (dq, dq2), (dk, dk2), (dv, dv2)):
+        np.testing.assert_array_equal(a[0, ~pad], b[0, ~pad])
+
+
+def test_auto_is_the_kernel_on_cpu():
+    q, k, v, seg, do = _data(6, 2, 50, 2, 16, ["mixed", "padded"])
+    for a, b in zip(_fwd_bwd("auto")(q, k, v, seg, do), _fwd_bwd("kernel")(q, k, v, seg, do)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_inputs():
+    q, k, v, seg, do = _data(7, 2, 70, 2, 32, ["mixed", "padded"])
+    qb, kb, vb, dob = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+    got = _fwd_bwd("kernel")(qb, kb, vb, seg, dob)
+    # Both compute in float32 from the same bf16 values: they differ by float32 rounding, which the
+    # final cast to bfloat16 may turn into one bf16 ulp.
+    want = _fwd_bwd("dense")(qb, kb, vb, seg, dob)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-3,
+                                   err_msg=name)
+    ref32 = _fwd_bwd("dense")(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), seg, np.asarray(dob, np.float32))
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(ref32[0]), rtol=1e-2, atol=1e-2)
+
+
+def test_vmap_runs_the_kernel_per_element():
+    q, k, v, seg, _ = _data(8, 3, 33, 2, 16, ["mixed", "padded", "full"])
+    want = segment_attention(q, k, v, seg, impl="dense")
+    for impl in ("kernel", "auto"):
+        f = lambda q, k, v, s: segment_attention(q[None], k[None], v[None], s[None], impl=impl)[0]  # noqa: E731
+        got = jax.jit(jax.vmap(f))(q, k, v, seg)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+def test_lm_kernel_equals_dense_on_a_packed_batch():
+    rng = np.random.default_rng(9)
+    samples = [rng.integers(1, 256, size=n).astype(np.int32) for n in (9, 40, 3, 17, 25, 60, 1, 20)]
+    batch = pack(samples, 64, rows=3).as_dict()
+    assert (batch["segment_ids"] == 0).any() and (batch["segment_ids"].max(axis=1) > 1).any()
+    dense, kernel = LM(LMConfig(d_model=32, n_layers=1, n_heads=2, attention="dense")), LM(
+        LMConfig(d_model=32, n_layers=1, n_heads=2, attention="kernel"))
+    params = dense.init(jax.random.PRNGKey(3))
+    (tld, gd), (tlk, gk) = (jax.jit(lambda p, b, m=m: (m.token_losses(p, b), jax.grad(m.loss_sum)(p, b)))(params, batch)
+                            for m in (dense, kernel))  # one compile per model: the machine is shared
+    np.testing.assert_allclose(np.asarray(tlk), np.asarray(tld), rtol=1e-5, atol=1e-6)
+    assert np.asarray(tld)[batch["loss_mask"] > 0].min() > 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gd), jax.tree_util.tree_leaves(gk)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6, err_msg=str(path))
+    with pytest.raises(ValueError, match="attention='flash'"):
+        LM(LMConfig(attention="flash"))
+
+
+def test_bad_inputs_name_the_argument():
+    q = jnp.zeros((2, 8, 2, 16))
+    seg = jnp.ones((2, 8), jnp.int32)
+    cases = [
+        ((q[0], q[0], q[0], seg), ValueError, r"q must be \[B, T, H, Dh\], got \[8, 2, 16\]"),
+        ((q, q[:, :7], q, seg), ValueError, r"k must be \[B, T, H, Dh\] like q \[2, 8, 2, 16\], got \[2, 7, 2, 16\]"),
+        ((q, q, q.astype(jnp.float16), seg), TypeError, r"v must be float32 or bfloat16, got float16\[2, 8, 2, 16\]"),
+        ((q, q, q.astype(jnp.bfloat16), seg), TypeError, r"v is bfloat16 but q is float32"),
+        ((q, q, q, seg[:, :5]), ValueError, r"segment_ids must be integer \[B, T\] = \[2, 8\], got int32\[2, 5\]"),
+        ((q, q, q, seg.astype(jnp.float32)), ValueError, r"segment_ids must be integer"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            segment_attention(*args)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        segment_attention(q, q, q, seg, impl="flash")
+    # The handlers check too (named argument and shape), for callers that reach them directly.
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((2, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call("jaxodc_varlen_attention_fwd", out)
+    bad = [((q, q, q[:, :, :1], seg), r"v must be float32 \[B, T, H, Dh\] like q = \[2, 8, 2, 16\], got float32\[2, 8, 1, 16\]"),
+           ((q, q, q, seg.astype(jnp.float32)), r"segment_ids must be int32 \[B, T\] = \[2, 8\], got float32\[2, 8\]"),
+           ((q.astype(jnp.bfloat16), q, q, seg), r"q must be float32 \[B, T, H, Dh\], got bfloat16\[2, 8, 2, 16\]")]
+    for args, msg in bad:
+        with pytest.raises(Exception, match=msg):
+            jax.block_until_ready(call(*args, isa=np.int64(0)))
+    with pytest.raises(Exception, match="instruction set id 9 is not available"):
+        jax.block_until_ready(call(q, q, q, seg, isa=np.int64(9)))
