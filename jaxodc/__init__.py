@@ -23,6 +23,7 @@ _PUBLIC = {
     "Runtime": "jaxodc.odc",
     "odc_gather": "jaxodc.ops",
     "odc_scatter_accumulate": "jaxodc.ops",
+    "segment_attention": "jaxodc.ops",
     # fault-tolerant communicator and DiLoCo
     "Communicator": "jaxodc.comm",
     "DiLoCo": "jaxodc.optim",

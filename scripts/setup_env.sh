@@ -33,7 +33,7 @@ fi
 
 # Native extension (and the nvshmem plugin): rebuilt when any source, the build script or the
 # requirements (which bring the nvcc and NVSHMEM wheels) changed.
-SRC_HASH=$(cd "$ROOT" && find csrc setup.py bazel/discover.py scripts/requirements.txt -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'setup.py' -o -name 'discover.py' -o -name 'requirements.txt' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+SRC_HASH=$(cd "$ROOT" && find csrc setup.py bazel/discover.py scripts/requirements.txt -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc' -o -name 'setup.py' -o -name 'discover.py' -o -name 'requirements.txt' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 BUILD_STAMP="$VENV/.jaxodc-build"
 if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$SRC_HASH" ] || ! ls "$ROOT"/jaxodc/_C*.so >/dev/null 2>&1; then
   echo "jaxodc setup: building the native extension"
