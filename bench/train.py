@@ -11,7 +11,7 @@ OdcTrainer side by side. One JSON record per (combo, minibatch):
 {"kind": "train", "comm", "balance", "minibatch", "ranks", "samples_per_s", "bubble_rate", ...}.
 
 How the measurement is kept robust on a small shared machine:
-- Microbatches are packed into bucketed row lengths (`--min-bucket`; packing.bucket), so compute
+- Microbatches are packed into bucketed row lengths (multiples of `--min-bucket`; packing.bucket), so compute
   follows content, and every bucket shape of both trainers is compiled before anything is timed.
 - Interleaving: a repetition draws fresh minibatches for each minibatch size (at least
   `--block-samples` samples per rank: minibatch 1 -> 4 minibatches, 2 -> 2, 4 and 8 -> 1 by
@@ -102,7 +102,8 @@ def _args(argv):
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--pool", type=int, default=512, help="samples drawn from the preset")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per packed microbatch (= max length)")
-    p.add_argument("--min-bucket", type=int, default=64, help="smallest bucketed row length")
+    p.add_argument("--min-bucket", type=int, default=64,
+                   help="row lengths are the multiples of this up to --max-tokens (0: powers of two from 64)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--heads", type=int, default=4)
@@ -125,7 +126,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in str(s).split(",") if x.strip()]
 
 
-def row_buckets(max_tokens: int, min_bucket: int) -> list[int]:
+def bucket_policy(max_tokens: int, min_bucket: int):
+    """packing.bucket's `min_bucket` for the benchmark: every multiple of `min_bucket` up to
+    max_tokens (fine buckets: compute follows a row's content, and a lock-step rank computing
+    padding to match a longer peer counts as waiting); 0 = doubling from 64."""
+    return 64 if min_bucket <= 0 else tuple(sorted(set(range(min_bucket, max_tokens + 1, min_bucket)) | {max_tokens}))
+
+
+def row_buckets(max_tokens: int, min_bucket) -> list[int]:
     """Every row length packing.bucket can return for these settings."""
     from jaxodc.train.packing import bucket
     return sorted({bucket(t, max_tokens, min_bucket) for t in range(1, max_tokens + 1)})
@@ -248,7 +256,8 @@ def train_worker(args) -> None:
     params = model.init(jax.random.PRNGKey(args.seed))
     samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
     lengths = samples.lengths
-    rows = row_buckets(args.max_tokens, args.min_bucket)
+    buckets = bucket_policy(args.max_tokens, args.min_bucket)
+    rows = row_buckets(args.max_tokens, buckets)
 
     coll = CollectiveTrainer(model, _optimizer(args.lr), params)
     rt = TrainerRuntime.create(make_layout(params, W, order=model.unit_names), ctx)
@@ -266,7 +275,7 @@ def train_worker(args) -> None:
     cost = type(fit)(fit.a + att, fit.b)
 
     def bk(plan, mbs, m):
-        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, args.min_bucket)
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, buckets)
 
     def sq(plan, mbs, m):  # attention work of microbatch m: sum of its samples' s^2
         return float(sum(plan.lengths[i] ** 2 for i in mbs[m])) if m < len(mbs) else 0.0
@@ -286,7 +295,7 @@ def train_worker(args) -> None:
         return busy
 
     def busy_odc(res, plan, table):
-        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, args.min_bucket)]
+        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, buckets)]
                    + att * sum(plan.lengths[i] ** 2 for i in m) for m in res.ran if m)
 
     records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc, "odc_full": t_odc_full,
@@ -306,7 +315,7 @@ def train_worker(args) -> None:
                 tr = coll if comm == "collective" else odc
                 plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, cost)
                 ctx.barrier("bench/minibatch")
-                res = tr.train_plan(plan, sub, min_bucket=args.min_bucket)
+                res = tr.train_plan(plan, sub, min_bucket=buckets)
                 mine = [i for m in res.ran for i in m]
                 opt_s = res.opt[1] - res.opt[0]
                 busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan, t_odc)

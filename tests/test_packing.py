@@ -87,5 +87,8 @@ def test_minibatches_deterministic_cover_epoch():
 def test_bucket():
     assert [bucket(t, 512, 64) for t in (0, 1, 64, 65, 128, 129, 300, 512)] == [64, 64, 64, 128, 128, 256, 512, 512]
     assert bucket(100, 100, 64) == 100 and bucket(10, 48, 64) == 48  # capped at max_tokens
+    rows = tuple(range(64, 513, 64))  # explicit row lengths
+    assert [bucket(t, 512, rows) for t in (0, 1, 64, 65, 130, 300, 512)] == [64, 64, 64, 128, 192, 320, 512]
+    assert bucket(600, 700, rows) == 700  # nothing listed holds it: the cap
     with pytest.raises(ValueError, match="513 tokens do not fit max_tokens=512"):
         bucket(513, 512)

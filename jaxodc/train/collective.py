@@ -193,7 +193,7 @@ class StepResult:
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
-                     min_bucket: int | None = None, lockstep: bool = False) -> list[dict]:
+                     min_bucket: int | Sequence[int] | None = None, lockstep: bool = False) -> list[dict]:
     """This rank's packed microbatches ([1, T] arrays) of a static plan. T = plan.max_tokens, or
     with `min_bucket` the microbatch's bucket (packing.bucket); `lockstep` (collective) uses, for
     step m, the largest bucket of any rank's m-th microbatch so all ranks agree on the shape.
@@ -334,7 +334,7 @@ class CollectiveTrainer:
         copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
         jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
         """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts.
         `min_bucket`: bucketed row lengths (packing.bucket), the same on all ranks per step."""
         if plan.world != self.world:
@@ -538,7 +538,7 @@ class OdcTrainer:
         self.version = step + 1
         return res
 
-    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | None = None) -> StepResult:
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
         """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue.
         `min_bucket`: each microbatch packed to its own bucket (packing.bucket)."""
         if plan.world != self.world:
@@ -609,7 +609,7 @@ class OdcTrainer:
 
 def train_loop(trainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,
                cost=None, progress: bool = False, estimate_busy: bool = False,
-               min_bucket: int | None = None) -> list:
+               min_bucket: int | Sequence[int] | None = None) -> list:
     """Run `trainer` (collective or ODC) over global minibatches (each a sequence of indices into
     `samples`, the same on every rank), planning each with `balance`. Returns this rank's
     metrics.MinibatchRecord list. `estimate_busy` (collective): set each record's busy time to

@@ -67,14 +67,18 @@ def pack(samples: Sequence[np.ndarray], max_tokens: int, rows: int = 1) -> Packe
     return Packed(tok, tgt, seg, pos, mask)
 
 
-def bucket(tokens: int, max_tokens: int, min_bucket: int = 64) -> int:
-    """Row length for a microbatch of `tokens` tokens: the smallest min_bucket * 2^k that holds
-    them, capped at max_tokens. Dense attention costs ~T^2 whatever the fill, so a microbatch
-    padded to max_tokens costs as much as a full one; buckets make compute follow the content
-    with few distinct shapes (one compiled step each)."""
+def bucket(tokens: int, max_tokens: int, min_bucket: int | Sequence[int] = 64) -> int:
+    """Row length for a microbatch of `tokens` tokens, capped at max_tokens: the smallest
+    min_bucket * 2^k that holds them or, when `min_bucket` is a sequence of row lengths, the
+    smallest of those that holds them. Compute follows the bucketed length (every padding token
+    runs through the linear layers), so buckets make it follow the content with few distinct
+    shapes (one compiled step each); finer buckets waste less on padding."""
     if tokens > max_tokens:
         raise ValueError(f"{tokens} tokens do not fit max_tokens={max_tokens}")
-    b = max(1, min(min_bucket, max_tokens))
+    if not isinstance(min_bucket, (int, np.integer)):
+        fits = [int(b) for b in min_bucket if int(b) >= tokens]
+        return min(min(fits), max_tokens) if fits else max_tokens
+    b = max(1, min(int(min_bucket), max_tokens))
     while b < tokens:
         b *= 2
     return min(b, max_tokens)
