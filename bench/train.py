@@ -58,14 +58,13 @@ microbatch program on one process with identity gathers (W = 1, no communication
 benchmark's row length, less the same program's temp size at row length 1 (what does not scale
 with tokens: parameter-sized buffers).
 
-Reading the figures. The model's attention is dense over a packed row (segment-masked), so a
-row's cost depends on its bucketed length, not on how its samples split it; LB-Micro packs rows
-nearly full, so at 2 ranks the lock-step steps usually run equal shapes and the collective's
-bubble is small. What ODC saves on 2 ranks is mostly the collective step's own cost -- per unit
-and microbatch an all_gather, a re-gather in the backward pass and a psum_scatter over gloo, in
-lock-step -- which shows at minibatch 1, where every balancer gives the same plan. Minibatch-level
-balancing pays off where a microbatch's cost follows its samples (varlen attention, more ranks;
-see `jaxodc simulate`).
+Reading the figures. The LM's attention is variable-length (jaxodc.ops.segment_attention: a row's
+attention work follows its samples, a * sum(s^2)), its linear layers follow the bucketed row
+length, so lock-step collective steps lose time when ranks' rows differ in either. On 2 ranks with
+a few microbatches each, what ODC saves is mostly the collective step's own cost -- per unit and
+microbatch an all_gather, a re-gather in the backward pass and a psum_scatter over gloo, in
+lock-step -- which shows at minibatch 1, where every balancer gives the same plan; minibatch-level
+balancing pays off with more ranks and microbatches (see `jaxodc simulate`).
 """
 from __future__ import annotations
 
