@@ -280,12 +280,7 @@ void Runtime::scatter_device(int unit, int64_t version, const float* grad, CUstr
       // The flag is raised only once the data landed: the owner's daemon reads the slot right away.
       check(cudaStreamSynchronize(stream), tag + ": copy into the slot at " + p.name());
     }
-    slot->unit = unit;
-    slot->version = version;
-    slot->count = n;
-    slot->where = kSlotDevice;
-    slot->state.store(kSlotFull, std::memory_order_release);
-    signal_event(&seg->doorbell);
+    seg->raise_slot(rank_, unit, version, n, kSlotDevice);
   }
 }
 

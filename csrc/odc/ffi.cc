@@ -1,21 +1,10 @@
 #include "odc/ffi.h"
 
-#include <functional>
-
 #include "odc/ffi_common.h"
 
 namespace jaxodc::odc {
 
 namespace {
-
-ffi::Error run_guarded(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
-  }
-  return ffi::Error::Success();
-}
 
 // Reads the full unit from every owner (waiting for their publication of `version`).
 ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out,

@@ -1,6 +1,7 @@
 // Argument checks shared by the CPU and CUDA ODC handlers.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -34,6 +35,17 @@ auto bind_scatter(Binding&& b) {
 }
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
+
+// Runs a handler body, turning the runtime's exceptions into FFI errors (their message names the
+// rank, unit and peer).
+inline ffi::Error run_guarded(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+  return ffi::Error::Success();
+}
 
 // Resolves the runtime, the unit and the compute dtype; `numel` is the full unit's size the
 // caller passes (gathered output or gradient).

@@ -155,15 +155,6 @@ void scatter_with_device(Runtime* rt, int unit, int64_t v, const void* grad, Ele
   }
 }
 
-ffi::Error guarded(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const std::exception& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version,
                           ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
   Runtime* rt;
@@ -172,7 +163,7 @@ ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::
                             out->element_type(), out->element_count(), &rt, &type);
       err.failure())
     return err;
-  return guarded([&] {
+  return run_guarded([&] {
     const int64_t n = static_cast<int64_t>(out->element_count());
     const int64_t v = read_version(version.typed_data(), stream);
     if (rt->device() >= 0) {
@@ -212,7 +203,7 @@ ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi:
                             grad.element_type(), grad.element_count(), &rt, &type);
       err.failure())
     return err;
-  return guarded([&] {
+  return run_guarded([&] {
     const int64_t n = static_cast<int64_t>(grad.element_count());
     if (rt->device() >= 0) {
       cuda_check(cudaMemsetAsync(token->typed_data(), 0, sizeof(uint32_t), stream), "token");

@@ -478,12 +478,7 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
           "waiting for its receive slot at " + p.name() + " (" + what + ")");
       float* data = p.seg->slot_data(rank_);
       load_to_f32(data, src + lo * esize, type, n);
-      slot->unit = unit;
-      slot->version = version;
-      slot->count = n;
-      slot->where = kSlotHost;
-      slot->state.store(kSlotFull, std::memory_order_release);
-      signal_event(&p.seg->doorbell);
+      p.seg->raise_slot(rank_, unit, version, n, kSlotHost);
     } else {
       std::lock_guard<std::mutex> lock(p.mu);
       send_request(p.fd, p.name(), timeout_s_, kPush, rank_, unit, version, n);
@@ -855,6 +850,23 @@ void Runtime::serve_connection(int fd) {
     net::send_all(fd, &r, sizeof(r), timeout_s_, "rank " + std::to_string(client));
     net::send_all(fd, msg.data(), msg.size(), timeout_s_, "rank " + std::to_string(client));
   };
+  // Waits until the requested unit is published at the requested version; false = an error
+  // reply was sent instead.
+  auto await_publication = [&](const WireHeader& h, const char* via) {
+    if (h.unit < 0 || h.unit >= num_units()) {
+      reply_error("rank " + std::to_string(rank_) + " has no unit " + std::to_string(h.unit));
+      return false;
+    }
+    try {
+      wait_published(h.unit, h.version, nullptr,
+                     "publishing unit " + std::to_string(h.unit) + " version " + std::to_string(h.version) +
+                         " for rank " + std::to_string(client) + via);
+    } catch (const Error& e) {
+      reply_error(e.what());
+      return false;
+    }
+    return true;
+  };
   try {
     while (!stop_.load()) {
       pollfd p{fd, POLLIN, 0};
@@ -874,18 +886,7 @@ void Runtime::serve_connection(int fd) {
       if (client < 0) break;  // every connection starts with a hello
       switch (h.op) {
         case kGather: {
-          if (h.unit < 0 || h.unit >= num_units()) {
-            reply_error("rank " + std::to_string(rank_) + " has no unit " + std::to_string(h.unit));
-            break;
-          }
-          try {
-            wait_published(h.unit, h.version, nullptr,
-                           "publishing unit " + std::to_string(h.unit) + " version " + std::to_string(h.version) +
-                               " for rank " + std::to_string(client));
-          } catch (const Error& e) {
-            reply_error(e.what());
-            break;
-          }
+          if (!await_publication(h, "")) break;
           const int64_t numel = numels_[h.unit], shard = shards_[h.unit];
           int64_t lo = std::min<int64_t>(static_cast<int64_t>(rank_) * shard, numel);
           int64_t n = std::max<int64_t>(0, std::min<int64_t>(shard, numel - lo));
@@ -906,12 +907,7 @@ void Runtime::serve_connection(int fd) {
           // The slot is marked full only after every byte arrived: a client that dies
           // mid-push leaves the accumulator untouched.
           net::recv_all(fd, seg_->slot_data(client), static_cast<size_t>(h.count) * 4, timeout_s_, peer_name);
-          slot->unit = h.unit;
-          slot->version = h.version;
-          slot->count = h.count;
-          slot->where = kSlotHost;
-          slot->state.store(kSlotFull, std::memory_order_release);
-          signal_event(&seg_->doorbell);
+          seg_->raise_slot(client, h.unit, h.version, h.count, kSlotHost);
           break;
         }
         case kDone:
@@ -944,18 +940,7 @@ void Runtime::serve_connection(int fd) {
           break;
         }
         case kNvWaitPublished: {
-          if (h.unit < 0 || h.unit >= num_units()) {
-            reply_error("rank " + std::to_string(rank_) + " has no unit " + std::to_string(h.unit));
-            break;
-          }
-          try {
-            wait_published(h.unit, h.version, nullptr,
-                           "publishing unit " + std::to_string(h.unit) + " version " + std::to_string(h.version) +
-                               " for rank " + std::to_string(client) + " (gather over nvshmem)");
-          } catch (const Error& e) {
-            reply_error(e.what());
-            break;
-          }
+          if (!await_publication(h, " (gather over nvshmem)")) break;
           WireHeader r{};
           r.version = seg_->unit(h.unit)->version.load();
           net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
@@ -983,12 +968,7 @@ void Runtime::serve_connection(int fd) {
           SlotHeader* slot = seg_->slot(client);
           if (slot->state.load(std::memory_order_acquire) != kSlotFree)
             throw PeerError("an nvshmem push into a receive slot that was not free");
-          slot->unit = h.unit;
-          slot->version = h.version;
-          slot->count = h.count;
-          slot->where = kSlotNvshmem;
-          slot->state.store(kSlotFull, std::memory_order_release);
-          signal_event(&seg_->doorbell);
+          seg_->raise_slot(client, h.unit, h.version, h.count, kSlotNvshmem);
           break;
         }
         case kBye:

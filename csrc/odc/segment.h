@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/sync.h"
 #include "odc/nvshmem/plugin_api.h"
 #include "odc/runtime.h"
 
@@ -80,6 +81,16 @@ struct SegmentHeader {
     return reinterpret_cast<SlotHeader*>(base() + slots_off + slot_stride * static_cast<uint64_t>(client));
   }
   float* slot_data(int client) { return reinterpret_cast<float*>(reinterpret_cast<char*>(slot(client)) + 64); }
+  // Hands client's filled receive slot to this owner's daemon; the data must already be in place.
+  void raise_slot(int client, int unit_index, int64_t version, int64_t count, int32_t where) {
+    SlotHeader* s = slot(client);
+    s->unit = unit_index;
+    s->version = version;
+    s->count = count;
+    s->where = where;
+    s->state.store(kSlotFull, std::memory_order_release);
+    signal_event(&doorbell);
+  }
   std::atomic<int64_t>* done(int client) {
     return reinterpret_cast<std::atomic<int64_t>*>(base() + done_off) + client;
   }

@@ -11,12 +11,8 @@ static ffi::Error AllReduceCpu(ffi::AnyBuffer x, ffi::AnyBuffer tok, ffi::Result
                                ffi::Result<ffi::AnyBuffer> tok_out, int64_t handle, int64_t op,
                                int64_t quant, int64_t tag) {
   DType dt;
-  if (!ffi_dtype(x.element_type(), &dt))
-    return ffi::Error::InvalidArgument("ring all_reduce: unsupported dtype");
-  if (tok.element_type() != ffi::DataType::S32 || tok.element_count() != 1)
-    return ffi::Error::InvalidArgument("ring all_reduce: token must be int32[1]");
-  auto ep = endpoint_by_handle(handle);
-  if (!ep) return ffi::Error::InvalidArgument("ring all_reduce: no live endpoint with handle " + std::to_string(handle));
+  std::shared_ptr<Endpoint> ep;
+  if (auto err = check_all_reduce(x, tok, handle, &dt, &ep); err.failure()) return err;
   OpResult r = ep->all_reduce(x.untyped_data(), y->untyped_data(), x.element_count(), dt, static_cast<Op>(op),
                               static_cast<Quant>(quant), static_cast<uint32_t>(tag));
   int32_t t;

@@ -1,6 +1,7 @@
 // FFI glue shared by the CPU handler (ffi_cpu.cc) and the CUDA handler (ring_cuda.cu).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -30,6 +31,18 @@ inline bool ffi_dtype(xla::ffi::DataType t, DType* out) {
     case DataType::S64: *out = DType::kI64; return true;
     default: return false;
   }
+}
+
+// Operand checks of both handlers: sets the element type and the live endpoint of `handle`.
+inline xla::ffi::Error check_all_reduce(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& tok, int64_t handle,
+                                        DType* dt, std::shared_ptr<Endpoint>* ep) {
+  using xla::ffi::Error;
+  if (!ffi_dtype(x.element_type(), dt)) return Error::InvalidArgument("ring all_reduce: unsupported dtype");
+  if (tok.element_type() != xla::ffi::DataType::S32 || tok.element_count() != 1)
+    return Error::InvalidArgument("ring all_reduce: token must be int32[1]");
+  *ep = endpoint_by_handle(handle);
+  if (!*ep) return Error::InvalidArgument("ring all_reduce: no live endpoint with handle " + std::to_string(handle));
+  return Error::Success();
 }
 
 inline xla::ffi::Error ffi_status(const OpResult& r) {

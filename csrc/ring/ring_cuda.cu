@@ -179,12 +179,8 @@ static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> tok_out,
                                 int64_t handle, int64_t op, int64_t quant, int64_t tag) {
   DType dt;
-  if (!ffi_dtype(x.element_type(), &dt))
-    return ffi::Error::InvalidArgument("ring all_reduce: unsupported dtype");
-  if (tok.element_type() != ffi::DataType::S32 || tok.element_count() != 1)
-    return ffi::Error::InvalidArgument("ring all_reduce: token must be int32[1]");
-  auto ep = endpoint_by_handle(handle);
-  if (!ep) return ffi::Error::InvalidArgument("ring all_reduce: no live endpoint with handle " + std::to_string(handle));
+  std::shared_ptr<Endpoint> ep;
+  if (auto err = check_all_reduce(x, tok, handle, &dt, &ep); err.failure()) return err;
   size_t n = x.size_bytes();
   const char* xd = static_cast<const char*>(x.untyped_data());
   char* yd = static_cast<char*>(y->untyped_data());
