@@ -11,22 +11,21 @@ from __future__ import annotations
 import os
 import sys
 
-# One core: set before jax is imported (XLA reads the flags once). XLA sizes its intra-op thread
-# pool from the CPU affinity, which the eigen flag alone leaves at every core; pin to one core.
-if hasattr(os, "sched_setaffinity") and "--no-pin" not in sys.argv:
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import pin_one_core, print_table, write_records  # noqa: E402
+
+# One core, set before jax is imported (XLA reads the flags and the affinity once).
+if "--no-pin" not in sys.argv:
+    pin_one_core()
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-from bench.common import print_table, write_records  # noqa: E402
 
 IMPLS = ("kernel", "dense")
 

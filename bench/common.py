@@ -11,6 +11,19 @@ import time
 RANK_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
 
 
+def pin_one_core(index: int = 0) -> int | None:
+    """Pin this process to one of its allowed cores (`index` modulo their count), before jax is
+    imported: XLA sizes its intra-op thread pool from the CPU affinity, so without this a rank
+    that asked for one compute thread still spreads work over every core and two ranks fight
+    over them. Returns the core, or None where affinity is not supported."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
     """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
     RANK_ENV)."""

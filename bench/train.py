@@ -31,11 +31,15 @@ How the measurement is kept robust on a small shared machine:
   imbalance; re-timed every repetition), plus the measured optimizer step. Scaling the measured
   interval keeps the estimate in step with the machine's momentary speed; a rank that only waited
   for a slower peer on an equal shape still counts as busy, so the estimate errs towards a
-  smaller collective bubble. ODC's cost-model figure (`bubble_est`: absolute calibrated ODC step
-  times) and the collective's measured-interval figure (`bubble_measured`, a lower bound) are
-  reported too.
-- The balancers' cost model a*s^2 + b*s is fitted in seconds (cost.calibrate) to the collective
-  step times of the buckets, averaged over ranks so every rank plans alike.
+  smaller collective bubble. ODC's cost-model figure (`bubble_est`: its microbatches priced by
+  the ODC cost model) and the collective's measured-interval figure (`bubble_measured`, a lower
+  bound) are reported too.
+- Each trainer plans with its own cost model a*sum(s^2) + b*tokens + c per microbatch, fitted in
+  seconds (cost.fit) to its warm-up step times, averaged over ranks so every rank plans alike:
+  ODC's from rows with and without content, timed with all ranks past compilation (a barrier);
+  the collective's lock-step rows carry no content, so it takes ODC's attention coefficient a.
+- Each rank runs on one core of its own (bench.common.pin_one_core): XLA sizes its thread pool
+  from the affinity, so unpinned ranks spread over both cores and disturb each other.
 
 Memory mode (`--memory`): for a model whose parameters + Adam state take S bytes, the peak
 per-rank memory of both trainers at W = `--memory-ranks`, against the bound S/W + 3 x the largest
@@ -82,7 +86,7 @@ import time
 
 import numpy as np
 
-from bench.common import launch_ranks, print_table, write_records
+from bench.common import launch_ranks, pin_one_core, print_table, write_records
 
 COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "local_sort"),
           ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
@@ -93,6 +97,7 @@ def _args(argv):
     p = argparse.ArgumentParser(prog="jaxodc bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the records here")
     p.add_argument("--timeline", help="per-rank Gantt chart (PNG) of one repetition at minibatch 4")
+    p.add_argument("--raw", help="also write every rank's raw minibatch records and calibrations here (JSON)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
     p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (medians over these)")
@@ -166,13 +171,14 @@ def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
     return out
 
 
-def warmup_odc(trainer, rows, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[int, float], dict[int, float]]:
     """Compile the ODC microbatch step for every row length and the optimizer step, and time the
     microbatch step (median seconds per row length) on an all-padding row and on a row holding one
     sample of the row's length, inside one discarded minibatch: the pushed gradients are fetched
     and dropped; the optimizer runs on copies; the unchanged shards are republished for the next
     version. Parameters and optimizer state are untouched. Returns (padding, full) tables. Every
-    rank must call it with the same arguments (it completes a minibatch)."""
+    rank must call it with the same arguments (it completes a minibatch); `barrier()` (all
+    ranks) runs between compiling and timing, so no rank times while a peer compiles."""
     import jax
     import jax.numpy as jnp
     from jaxodc.train.packing import pack
@@ -183,6 +189,7 @@ def warmup_odc(trainer, rows, repeats: int) -> tuple[dict[int, float], dict[int,
         for table, content in ((pad, []), (full, [np.arange(int(T), dtype=np.int32) % 251 + 1])):
             batch = {k: jnp.asarray(x) for k, x in pack(content, int(T)).as_dict().items()}
             jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))  # compile
+            barrier()
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -199,26 +206,24 @@ def warmup_odc(trainer, rows, repeats: int) -> tuple[dict[int, float], dict[int,
     return pad, full
 
 
-def attention_coefficient(pad: dict[int, float], full: dict[int, float]) -> float:
-    """Seconds per s^2 of attention work a row's samples add beyond its padded length: with
-    variable-length attention a row of T tokens costs t_pad(T) + a * sum(s_i^2) (the linear layers
-    follow T, attention follows the samples). Median over row lengths >= 128 (shorter ones are
-    timer noise); 0 for dense attention, whose row cost does not depend on its content."""
-    vals = [(full[T] - pad[T]) / (T * T) for T in pad if T >= 128] or [(full[T] - pad[T]) / (T * T) for T in pad]
-    return max(0.0, statistics.median(vals))
-
-
-def fit_cost(tables: list[dict[int, float]]):
-    """CostModel (seconds) fitted by cost.calibrate to the mean over ranks of per-row-length step
-    times (a row of T tokens = one sample of length T)."""
-    from jaxodc.train.cost import calibrate
-    rows = sorted(tables[0])
-    mean = {T: float(np.mean([t[T] for t in tables])) for T in rows}
-    clock = iter(itertools.chain.from_iterable((0.0, mean[T]) for T in rows))
-    if len(rows) < 2:  # one bucket: a linear model through its time
+def fit_cost(pads: list[dict[int, float]], fulls: list[dict[int, float]] | None = None):
+    """CostModel (seconds, cost.fit: a per s^2, b per row token, c per microbatch) of the mean
+    over ranks of per-row-length step times: `pads` time all-padding rows (no attention work),
+    `fulls` rows holding one sample of the row's length. Without `fulls`, a = 0."""
+    from jaxodc.train.cost import fit
+    rows = sorted(pads[0])
+    sq, tok, sec = [], [], []
+    for tables, attn in ((pads, False), (fulls or [], True)):
+        if not tables:
+            continue
+        for T in rows:
+            sq.append(float(T * T) if attn else 0.0)
+            tok.append(float(T))
+            sec.append(float(np.mean([t[T] for t in tables])))
+    if len(sec) < 2:  # one bucket, no content timing: a linear model through its time
         from jaxodc.train.cost import CostModel
-        return CostModel(0.0, mean[rows[0]] / rows[0])
-    return calibrate(lambda T: None, rows, repeats=1, warmup=0, clock=lambda: next(clock))
+        return CostModel(0.0, sec[0] / tok[0])
+    return fit(sq, tok, sec)
 
 
 # --------------------------------------------------------------------------- throughput worker
@@ -263,15 +268,19 @@ def train_worker(args) -> None:
     odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
     del params
     coll.warmup(rows)
-    t_odc, t_odc_full = warmup_odc(odc, rows, args.calib_reps)
+    t_odc, t_odc_full = warmup_odc(odc, rows, args.calib_reps, barrier=lambda: ctx.barrier("bench/warmup"))
     t_coll0 = time_collective(coll, rows, args.calib_reps)
     calib0 = [msgpack.unpackb(b, strict_map_key=False)
-              for b in ctx.allgather("bench/calib", msgpack.packb([t_coll0, attention_coefficient(t_odc, t_odc_full)]))]
-    tables = [{int(k): v for k, v in c[0].items()} for c in calib0]
-    # Every rank plans and estimates with the same model: mean of the ranks' calibrations.
-    att = float(np.mean([c[1] for c in calib0]))
-    fit = fit_cost(tables)
-    cost = type(fit)(fit.a + att, fit.b)
+              for b in ctx.allgather("bench/calib", msgpack.packb([t_coll0, t_odc, t_odc_full]))]
+    tables = [[{int(k): v for k, v in t.items()} for t in c] for c in calib0]
+    # Every rank plans with the same models (means over ranks). Each trainer plans with its own:
+    # ODC's from its step times with and without content; the collective's lock-step times have
+    # no content, so it takes ODC's attention coefficient.
+    cost_odc = fit_cost([t[1] for t in tables], [t[2] for t in tables])
+    att = cost_odc.a
+    fit = fit_cost([t[0] for t in tables])
+    cost_coll = type(fit)(att, fit.b, fit.c)
+    costs = {"collective": cost_coll, "odc": cost_odc}
 
     def bk(plan, mbs, m):
         return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, buckets)
@@ -293,8 +302,10 @@ def train_worker(args) -> None:
                 busy += (b - a) * (table[bk(plan, own, m)] + att * sq(plan, own, m)) / slowest
         return busy
 
-    def busy_odc(res, plan, table):
-        return sum(table[bucket(plan.microbatch_tokens(m), args.max_tokens, buckets)]
+    def busy_odc(res, plan):
+        """ODC's cost-model busy time (bubble_est): its microbatches by the ODC model, with
+        linear work following the bucketed row length."""
+        return sum(cost_odc.c + cost_odc.b * bucket(plan.microbatch_tokens(m), args.max_tokens, buckets)
                    + att * sum(plan.lengths[i] ** 2 for i in m) for m in res.ran if m)
 
     records, calib = [], [{"rep": -1, "rank": rank, "collective": t_coll0, "odc": t_odc, "odc_full": t_odc_full,
@@ -312,12 +323,12 @@ def train_worker(args) -> None:
             for ci in list(range(start, len(COMBOS))) + list(range(start)):
                 comm, balance = COMBOS[ci]
                 tr = coll if comm == "collective" else odc
-                plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, cost)
+                plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, costs[comm])
                 ctx.barrier("bench/minibatch")
                 res = tr.train_plan(plan, sub, min_bucket=buckets)
                 mine = [i for m in res.ran for i in m]
                 opt_s = res.opt[1] - res.opt[0]
-                busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan, t_odc)
+                busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan)
                 records.append({
                     "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
@@ -326,7 +337,8 @@ def train_worker(args) -> None:
     rt.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
-        merged = {"records": [], "calib": [], "cost": [cost.a, cost.b], "attention_coefficient": att, "rows": rows,
+        merged = {"records": [], "calib": [], "cost": [cost_odc.a, cost_odc.b, cost_odc.c],
+                  "cost_collective": [cost_coll.a, cost_coll.b, cost_coll.c], "attention_coefficient": att, "rows": rows,
                   "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
         for b in blobs:
             d = msgpack.unpackb(b, strict_map_key=False)
@@ -448,10 +460,12 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
     print("(bubble_rate: collective = cost-model busy time, ODC = measured intervals; bubble_measured /"
           " bubble_est give both figures for every combo)")
     if raw:
-        a, b = raw["cost"]
+        a, b, c = raw["cost"]
+        ca, cb, cc = raw["cost_collective"]
         warm = next(c for c in raw["calib"] if c["rep"] == -1 and c["rank"] == 0)
         step = lambda mode, T: warm[mode][str(T)]  # noqa: E731 - JSON object keys are strings
-        print(f"cost model (s): {a:.3g}*s^2 + {b:.3g}*s; microbatch step seconds per row length "
+        print(f"cost models (s; a*sum(s^2) + b*tokens + c per microbatch): odc a={a:.3g} b={b:.3g} c={c:.3g}, "
+              f"collective a={ca:.3g} b={cb:.3g} c={cc:.3g}; microbatch step seconds per row length "
               "(rank 0, warm-up, collective / odc): "
               + ", ".join(f"{T}: {step('collective', T):.4f} / {step('odc', T):.4f}" for T in raw["rows"]))
     print()
@@ -499,6 +513,8 @@ def _forward(args) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
+    if args.worker:  # one core per rank (before jax is imported): "one compute thread each"
+        pin_one_core(int(os.environ.get("JAXODC_LOCAL_RANK", "0")))
     if args.worker == "train":
         train_worker(args)
         return 0
@@ -519,8 +535,10 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     raw = _launch(args, args.ranks, "train", _forward(args))
     rows, bar_rows = summarize(raw)
+    if args.raw:
+        write_records(args.raw, raw)
     write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows]
-                  + [{"kind": "calibration", "cost_a": raw["cost"][0], "cost_b": raw["cost"][1],
+                  + [{"kind": "calibration", "cost_odc": raw["cost"], "cost_collective": raw["cost_collective"],
                       "rows": raw["rows"], "tables": raw["calib"], "config": raw["config"]}])
     print_report(rows, bar_rows, raw)
     if args.timeline:

@@ -189,18 +189,18 @@ def test_collective_matches_reference(tmp_path):
 # The ODC driver (OdcTrainer) against a test-only, in-process runtime: two ranks as two threads on
 # two host devices of one process, sharing Python dicts instead of the real ODC shard store. It
 # checks the driver's protocol (my microbatches -> done -> wait_complete -> fetch_grad ->
-# optimizer -> publish; global sums through allgather_scalar; stealing through next_task) with
+# optimizer -> publish; global sums through allgather_scalar; stealing through claim) with
 # different microbatch counts per rank, a rank with none, and LB-Steal. The real runtime is
 # jaxodc.odc's; this double only stands in for it here.
 
 class _Hub:
     def __init__(self, world, timeout=60.0):
         import threading
-        from jaxodc.train.balance import LocalCounter
+        from jaxodc.train.balance import LocalDeques
         self.world, self.timeout = world, timeout
         self.cv = threading.Condition()
         self.pub, self.acc, self.done, self.scal, self.calls = {}, {}, {}, {}, {}
-        self.ctr = LocalCounter()
+        self.deques = LocalDeques()
 
     def wait(self, pred, what):
         with self.cv:
@@ -285,8 +285,8 @@ def _thread_runtime(hub, rank):
             hub.wait(lambda: len(hub.scal[(version, k)]) == hub.world, f"allgather_scalar #{k} of version {version}")
             return np.array([hub.scal[(version, k)][r] for r in range(hub.world)])
 
-        def next_task(self, version):
-            return hub.ctr.next_task(version)
+        def claim(self, version, owner, count, steal):
+            return hub.deques.claim(version, owner, count, steal)
 
     return Rt()
 
@@ -301,7 +301,7 @@ def _odc_plans(samples, mbs):
     p0 = lb_mini(l0, W, MAX_TOKENS, cost)
     one = lb_mini(l1, 1, MAX_TOKENS, cost)  # everything on rank 0, nothing on rank 1
     p1 = Plan("lb_mini", W, MAX_TOKENS, one.lengths, (one.ranks[0], ()))
-    p2 = lb_steal(l2, W, MAX_TOKENS, cost, steal_fraction=0.5)
+    p2 = lb_steal(l2, W, MAX_TOKENS, cost)
     return [p0, p1, p2]
 
 
@@ -363,12 +363,12 @@ def test_odc_driver_matches_reference(tmp_path):
         model, params, samples, mbs = _setup()
         mbs = mbs[::-1]
         plans = _odc_plans(samples, mbs)
-        assert len(set(plans[0].counts())) > 1 and plans[1].counts()[1] == 0 and plans[2].queue
+        assert len(set(plans[0].counts())) > 1 and plans[1].counts()[1] == 0 and plans[2].balance == "lb_steal"
         ref = ReferenceTrainer(model, optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
         ref_losses, norms = [], []
         for plan, idx in zip(plans, mbs):
             sub = Samples([samples[i] for i in idx])
-            all_mbs = [mb for r in range(W) for mb in plan.static(r)] + list(plan.queue or ())
+            all_mbs = [mb for r in plan.ranks for mb in r]
             loss, g = ref.grads([pack([sub[i] for i in mb], MAX_TOKENS).as_dict() for mb in all_mbs],
                                 plan_global_tokens(plan))
             norms.append(float(optax.tree.norm(g)))
@@ -388,7 +388,7 @@ def test_odc_driver_matches_reference(tmp_path):
         np.testing.assert_allclose([l for l, _ in info[str(r)]], ref_losses, rtol=1e-5)
     ran = [[info[str(r)][s][1] for r in range(W)] for s in range(3)]
     assert ran[0] == plans[0].counts() and ran[1][1] == 0
-    assert sum(ran[2]) == sum(len(plans[2].static(r)) for r in range(W)) + len(plans[2].queue)
+    assert sum(ran[2]) == sum(plans[2].counts())  # stolen or not, every microbatch ran once
     layout = make_layout(params, W, order=model.unit_names)
     got = unshard_params(layout, [dict(np.load(tmp_path / f"odc{r}.npz")) for r in range(W)])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(ref.numpy_params())):

@@ -62,21 +62,59 @@ def test_gather_is_exact_concatenation(world, transport):
         assert leftover == []
 
 
-# -- work-stealing counter --------------------------------------------------------------------------
+# -- work-stealing deques --------------------------------------------------------------------------
 
 def claims_body(ctx, transport):
+    """Every rank steals from rank 0's deque of 12 (then 7) microbatches while rank 0 takes its
+    front; rank 1 then probes minibatch 0 after minibatch 8 took over its deque word (versions
+    share a word modulo 8)."""
     rt = make_runtime(ctx, sizes=[8], transport=transport)
-    claims = [[rt.next_task(v) for _ in range(5)] for v in (0, 1)]
+    got = {}
+    for v, n in ((0, 12), (8, 7)):
+        mine = []
+        while (i := rt.claim(v, 0, n, steal=ctx.rank != 0)) >= 0:
+            mine.append(i)
+        got[v] = mine
+        rt.allgather_scalar(v, 0.0)  # everyone drained minibatch v before v + 1 starts
+    err = ""
+    if ctx.rank == 1:
+        try:
+            rt.claim(0, 0, 12, steal=True)
+        except Exception as e:  # noqa: BLE001 - the message is the check
+            err = str(e)
+    rt.allgather_scalar(9, 0.0)
     rt.close()
-    return claims
+    return got, err
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_next_task_hands_out_each_position_once(transport):
+def test_claim_hands_out_each_microbatch_once(transport):
     results = run_ranks(claims_body, 3, args=(transport,))
-    for v in (0, 1):
-        got = sorted(c for r in results for c in r[v])
-        assert got == list(range(15)), got  # one shared counter per minibatch, no position twice
+    for v, n in ((0, 12), (8, 7)):
+        owner = results[0][0][v]
+        assert owner == list(range(len(owner))), owner  # the owner takes from the front
+        for got, _ in results[1:]:
+            assert got[v] == sorted(got[v], reverse=True), got[v]  # thieves from the back
+        assert sorted(i for got, _ in results for i in got[v]) == list(range(n))  # each exactly once
+    assert "older" in results[1][1] and "rank 0" in results[1][1], results[1][1]
+
+
+def bad_claims_body(ctx):
+    rt = make_runtime(ctx, sizes=[8], transport="shm")
+    errs = []
+    for args in ((0, 5, 3, False), (0, 0, -1, False), (0, 0, 1 << 21, False)):
+        try:
+            rt.claim(*args)
+            errs.append("")
+        except Exception as e:  # noqa: BLE001 - the message is the check
+            errs.append(str(e))
+    rt.close()
+    return errs
+
+
+def test_claim_rejects_bad_arguments():
+    errs = run_ranks(bad_claims_body, 2)[0]
+    assert "owner rank 5" in errs[0] and "rank 0 has -1" in errs[1] and "fit a deque" in errs[2], errs
 
 
 # -- scatter-accumulate ----------------------------------------------------------------------------

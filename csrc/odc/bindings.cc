@@ -115,7 +115,8 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           nb::arg("unit"), nb::arg("version"), nb::arg("grad"))
       .def("done", &Runtime::done, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
       .def("wait_complete", &Runtime::wait_complete, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
-      .def("next_task", &Runtime::next_task, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
+      .def("claim", &Runtime::claim, nb::arg("version"), nb::arg("owner"), nb::arg("count"), nb::arg("steal"),
+           nb::call_guard<nb::gil_scoped_release>())
       .def("allgather_scalar", &Runtime::allgather_scalar, nb::arg("version"), nb::arg("value"),
            nb::call_guard<nb::gil_scoped_release>())
       .def(

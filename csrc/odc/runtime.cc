@@ -52,7 +52,7 @@ bool pid_alive(int pid) {
 // kNv*: the control half of the nvshmem transport (the data moves through NVSHMEM): wait for a
 // publication (reply), wait for the client's slot to be free (reply), mark it full (no reply).
 enum Op : uint32_t {
-  kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kTask = 6, kBye = 7,
+  kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kClaim = 6, kBye = 7,
   kNvWaitPublished = 8, kNvWaitSlot = 9, kNvCommit = 10
 };
 struct WireHeader {
@@ -510,38 +510,53 @@ void Runtime::done(int64_t version) {
   }
 }
 
-// Work-stealing queue head for one minibatch: (version + 1) << 24 | next index, so that a
-// counter left from an older minibatch restarts at 0 for the new one.
-static int64_t claim_task(std::atomic<uint64_t>& counter, int64_t version) {
-  const uint64_t tag = static_cast<uint64_t>(version) + 1;
-  uint64_t cur = counter.load(std::memory_order_acquire);
+// Work-stealing deque of one owner's microbatches for one minibatch, one word:
+// tag (version + 1, 24 bits) << 40 | front << 20 | back. The owner takes from the front, thieves
+// from the back; a word left from an older minibatch restarts as [0, count) for the new one.
+static int64_t claim_slot(std::atomic<uint64_t>& word, int64_t version, int64_t count, bool steal, int owner) {
+  constexpr uint64_t kField = (1u << 20) - 1, kTag = (1u << 24) - 1;
+  if (count < 0 || static_cast<uint64_t>(count) > kField)
+    throw Error("claim: rank " + std::to_string(owner) + " has " + std::to_string(count) +
+                " microbatches in minibatch " + std::to_string(version) + "; between 0 and " +
+                std::to_string(kField) + " fit a deque");
+  const uint64_t tag = (static_cast<uint64_t>(version) + 1) & kTag;
+  uint64_t cur = word.load(std::memory_order_acquire);
   while (true) {
-    uint64_t cur_tag = cur >> 24, next;
-    int64_t result;
-    if (cur_tag < tag) {
-      next = (tag << 24) | 1;
-      result = 0;
-    } else if (cur_tag == tag) {
-      if ((cur & 0xffffff) == 0xffffff) throw Error("next_task: more than 16M tasks in one minibatch");
-      next = cur + 1;
-      result = static_cast<int64_t>(cur & 0xffffff);
-    } else {
-      throw Error("next_task: version " + std::to_string(version) + " is older than the queue's version " +
-                  std::to_string(cur_tag - 1));
+    uint64_t cur_tag = cur >> 40, front = (cur >> 20) & kField, back = cur & kField;
+    if (cur_tag != tag) {
+      // Versions only move forward: a tag ahead of mine (modulo 2^24) is a later minibatch's.
+      if (((cur_tag - tag) & kTag) < (1u << 23))
+        throw Error("claim: minibatch " + std::to_string(version) + " of rank " + std::to_string(owner) +
+                    " is older than its deque's minibatch");
+      front = 0;
+      back = static_cast<uint64_t>(count);
     }
-    if (counter.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) return result;
+    if (front >= back) return -1;
+    int64_t got;
+    if (steal) {
+      got = static_cast<int64_t>(--back);
+    } else {
+      got = static_cast<int64_t>(front++);
+    }
+    const uint64_t next = (tag << 40) | (front << 20) | back;
+    if (word.compare_exchange_weak(cur, next, std::memory_order_acq_rel)) return got;
   }
 }
 
-int64_t Runtime::local_next_task(int64_t version) { return claim_task(seg_->tasks[version % kRing], version); }
+int64_t Runtime::local_claim(int64_t version, int64_t count, bool steal) {
+  return claim_slot(seg_->deques[version % kRing], version, count, steal, rank_);
+}
 
-int64_t Runtime::next_task(int64_t version) {
-  check_open("next_task");
-  Peer& p = *peers_[0];
-  if (!uses_socket(p.transport)) return claim_task(p.seg->tasks[version % kRing], version);
+int64_t Runtime::claim(int64_t version, int owner, int64_t count, bool steal) {
+  check_open("claim");
+  if (owner < 0 || owner >= world_)
+    throw Error("claim: owner rank " + std::to_string(owner) + " outside world size " + std::to_string(world_));
+  Peer& p = *peers_[owner];
+  if (!uses_socket(p.transport)) return claim_slot(p.seg->deques[version % kRing], version, count, steal, owner);
   std::lock_guard<std::mutex> lock(p.mu);
-  send_request(p.fd, p.name(), timeout_s_, kTask, rank_, 0, version);
-  return recv_reply(p.fd, p.name(), timeout_s_, "next_task at rank 0 failed for version " + std::to_string(version))
+  send_request(p.fd, p.name(), timeout_s_, kClaim, rank_, 0, version, count, steal ? 1 : 0);
+  return recv_reply(p.fd, p.name(), timeout_s_,
+                    "claim at rank " + std::to_string(owner) + " failed for minibatch " + std::to_string(version))
       .count;
 }
 
@@ -928,10 +943,10 @@ void Runtime::serve_connection(int fd) {
           net::send_all(fd, &r, sizeof(r), timeout_s_, peer_name);
           break;
         }
-        case kTask: {
+        case kClaim: {
           WireHeader r{};
           try {
-            r.count = local_next_task(h.version);
+            r.count = local_claim(h.version, h.count, h.aux != 0);
           } catch (const Error& e) {
             reply_error(e.what());
             break;

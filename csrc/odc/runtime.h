@@ -131,7 +131,10 @@ class Runtime {
   void gather_device(int unit, int64_t version, float* out, CUstream_st* stream);
   void scatter_device(int unit, int64_t version, const float* grad, CUstream_st* stream);
   void done(int64_t version);
-  int64_t next_task(int64_t version);
+  // LB-Steal: claims one of `owner`'s `count` microbatches of minibatch `version` (the owner from
+  // the front, a thief with `steal` from the back); its index, or -1 when none is left. Every
+  // caller passes the same count for one (version, owner).
+  int64_t claim(int64_t version, int owner, int64_t count, bool steal);
   // Every rank's `value` for this call; all ranks make the same sequence of calls. `version` only
   // labels errors.
   std::vector<double> allgather_scalar(int64_t version, double value);
@@ -192,7 +195,7 @@ class Runtime {
   // Operations performed on this rank's own segment (for itself, or for a TCP client).
   void wait_published(int unit, int64_t version, const Peer* via, const std::string& what);
   void write_slot_begin(int client, const std::string& what);
-  int64_t local_next_task(int64_t version);
+  int64_t local_claim(int64_t version, int64_t count, bool steal);
   void wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer, const std::string& what);
 
   int rank_, world_;

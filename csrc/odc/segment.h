@@ -65,7 +65,7 @@ struct SegmentHeader {
   alignas(64) std::atomic<uint32_t> slot_seq;    // bumped when a slot is freed
   alignas(64) std::atomic<uint32_t> scalar_seq;  // bumped when a scalar is posted
   alignas(64) std::atomic<uint32_t> closing;     // owner shut down
-  alignas(64) std::atomic<uint64_t> tasks[kRing];  // (version << 24 | next) work-stealing counters
+  alignas(64) std::atomic<uint64_t> deques[kRing];  // this owner's LB-Steal deque per minibatch (Runtime::claim)
   // CUDA IPC: the owner's device block (masters, then one slot per client). Appended, so the
   // fields above keep their offsets (reclaim_stale_segments reads magic and pid).
   alignas(64) std::atomic<uint32_t> dev_ready;  // 1 once the fields below are written

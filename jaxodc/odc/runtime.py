@@ -269,8 +269,12 @@ class Runtime:
     def done(self, version: int) -> None:
         self._native.done(version)
 
-    def next_task(self, version: int) -> int:
-        return self._native.next_task(version)
+    def claim(self, version: int, owner: int, count: int, steal: bool = False) -> int:
+        """LB-Steal: one of rank `owner`'s `count` microbatches of minibatch `version` -- the
+        owner takes from the front, a thief (`steal`) from the back; -1 when none is left. The
+        deque lives in the owner's segment (an atomic word; a request to it over tcp). Every
+        caller passes the same count for one (version, owner)."""
+        return self._native.claim(int(version), int(owner), int(count), bool(steal))
 
     def allgather_scalar(self, version: int, value: float) -> np.ndarray:
         return np.asarray(self._native.allgather_scalar(version, float(value)))

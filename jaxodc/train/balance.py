@@ -12,12 +12,17 @@ from the same lengths without talking to the others.
   the same number k of microbatches (k grows until every rank's microbatches fit `max_tokens`);
   microbatch step m pairs the m-th costliest microbatch of every rank -- all the collective
   baseline can do (its per-layer collectives need equal microbatch counts).
-- `lb_mini`: Karmarkar-Karp across ranks on total cost only, then each rank packs its own samples
-  with its own microbatch count (ODC only: counts differ across ranks).
-- `lb_steal`: LB-Mini's microbatches, each rank's cheapest ones moved to a global queue, ordered
-  costliest-first; at run time a rank that finished its own microbatches claims queue positions
-  from a shared counter (`iter_steal`). Gradients accumulate at the owners, so which rank computes
-  a microbatch does not change the result.
+- `lb_mini`: Karmarkar-Karp across ranks on total cost only, refined by moving or swapping
+  samples between the most and least loaded rank with each rank's per-microbatch overhead counted
+  (`refine_partition`), then each rank packs its own samples with its own microbatch count (ODC
+  only: counts differ across ranks).
+- `lb_steal`: LB-Mini's plan, run as work stealing: every rank's microbatches sit in a deque at
+  that rank; the rank takes them from the front (costliest first), and a rank that ran out takes
+  the cheapest not yet started microbatch from the back of a loaded peer's deque (`iter_steal`).
+  A steal only happens while the victim still has unstarted work, so it never lengthens the
+  minibatch (the thief was idle), and with an exact cost model nothing is stolen: LB-Steal is
+  LB-Mini plus the correction of whatever the model mispredicted. Gradients accumulate at the
+  owners, so which rank computes a microbatch does not change the result.
 """
 from __future__ import annotations
 
@@ -97,17 +102,14 @@ class Plan:
 
     ranks[r][m] is the tuple of sample indices (into `lengths`) of rank r's m-th microbatch, in run
     order. An empty tuple is an all-padding microbatch (kept only where equal counts demand it).
-    For `lb_steal`, rank r first runs its fixed microbatches ranks[r][:n_static[r]], then claims
-    from `queue` (shared, in order) with `iter_steal`; ranks[r][n_static[r]:] are the claims the
-    cost model predicts (what the simulator uses)."""
+    For `lb_steal`, ranks[r] is rank r's deque: what it runs unless a peer steals from its back
+    (`iter_steal`)."""
 
     balance: str
     world: int
     max_tokens: int
     lengths: tuple[int, ...]
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
-    queue: tuple[tuple[int, ...], ...] | None = None
-    n_static: tuple[int, ...] | None = None  # lb_steal: ranks[r][:n_static[r]] are fixed, the rest predicted claims
     total_tokens: int = field(init=False)
 
     def __post_init__(self):
@@ -127,18 +129,15 @@ class Plan:
         (all-padding) microbatches -- what the collective trainer runs."""
         m = max(self.counts(), default=0)
         return Plan(self.balance, self.world, self.max_tokens, self.lengths,
-                    tuple(r + ((),) * (m - len(r)) for r in self.ranks), self.queue, self.n_static)
+                    tuple(r + ((),) * (m - len(r)) for r in self.ranks))
 
-    def static(self, rank: int) -> tuple[tuple[int, ...], ...]:
-        """Microbatches fixed to `rank` before any run-time claims (all of them unless lb_steal)."""
-        r = self.ranks[rank]
-        return r if self.n_static is None else r[:self.n_static[rank]]
+    def rank_tokens(self, rank: int) -> int:
+        return sum(self.microbatch_tokens(mb) for mb in self.ranks[rank])
 
     def validate(self) -> None:
         """Every sample exactly once; every microbatch within max_tokens."""
         seen = []
-        mbs = [mb for r in range(self.world) for mb in self.static(r)] + list(self.queue or ())
-        for mb in mbs:
+        for mb in (mb for r in self.ranks for mb in r):
             t = self.microbatch_tokens(mb)
             if t > self.max_tokens:
                 raise ValueError(f"plan {self.balance}: microbatch {list(mb)} holds {t} tokens > max_tokens={self.max_tokens}")
@@ -209,48 +208,62 @@ def lb_micro(lengths: Sequence[int], world: int, max_tokens: int, cost: CostMode
     return Plan("lb_micro", world, max_tokens, tuple(ls), tuple(tuple(r) for r in ranks))
 
 
+def refine_partition(parts: list[list[int]], lengths: Sequence[int], cost: CostModel, max_tokens: int,
+                     rounds: int | None = None) -> list[list[int]]:
+    """Local search after Karmarkar-Karp on whole-rank loads, which KK cannot see: a rank's
+    microbatch count (each adds cost.c) follows its tokens, not its samples' costs. A rank's
+    load is its samples' costs plus c times the fewest microbatches that hold its tokens (where
+    fit_microbatches starts). Each round moves one sample, or swaps two, between the most and the
+    least loaded rank when that lowers the larger of their loads; stops when nothing does (at
+    most `rounds`, default 4 x world). Deterministic: candidates are tried in index order and
+    only strict gains are taken."""
+    sample_cost = cost.costs(lengths)
+
+    def load_of(cost_sum: float, tokens: int) -> float:
+        return cost_sum + cost.c * -(-tokens // max_tokens) if tokens else 0.0
+
+    parts = [sorted(p) for p in parts]
+    sums = [[sum(sample_cost[i] for i in p), sum(lengths[i] for i in p)] for p in parts]
+    load = [load_of(*x) for x in sums]
+    for _ in range(rounds if rounds is not None else 4 * len(parts)):
+        hi = max(range(len(parts)), key=lambda r: (load[r], -r))
+        lo = min(range(len(parts)), key=lambda r: (load[r], r))
+        if hi == lo:
+            break
+        (ch, th), (cl, tl) = sums[hi], sums[lo]
+        best, pick = max(load[hi], load[lo]) * (1 - 1e-9), None
+        for i in parts[hi]:
+            for j in [None] + parts[lo]:
+                dc = sample_cost[i] - (sample_cost[j] if j is not None else 0.0)
+                dt = lengths[i] - (lengths[j] if j is not None else 0)
+                m = max(load_of(ch - dc, th - dt), load_of(cl + dc, tl + dt))
+                if m < best:
+                    best, pick = m, (i, j, dc, dt)
+        if pick is None:
+            break
+        i, j, dc, dt = pick
+        parts[hi] = sorted([x for x in parts[hi] if x != i] + ([j] if j is not None else []))
+        parts[lo] = sorted([x for x in parts[lo] if x != j] + [i])
+        sums[hi], sums[lo] = [ch - dc, th - dt], [cl + dc, tl + dt]
+        load[hi], load[lo] = load_of(*sums[hi]), load_of(*sums[lo])
+    return parts
+
+
 def lb_mini(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None) -> Plan:
     cost = cost or CostModel()
     ls = _check_minibatch(lengths, world, max_tokens)
     per_rank = karmarkar_karp(cost.costs(ls), world, equal_size=False)
+    per_rank = refine_partition(per_rank, ls, cost, max_tokens)
     ranks = [tuple(fit_microbatches(p, ls, cost, max_tokens)) if p else () for p in per_rank]
     # KK returns parts by descending sum; rank order follows it, deterministic either way.
     return Plan("lb_mini", world, max_tokens, tuple(ls), tuple(ranks))
 
 
-def lb_steal(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None,
-             steal_fraction: float = 0.3) -> Plan:
-    """LB-Mini's microbatches, with each rank's cheapest ones (together at most `steal_fraction`
-    of its predicted load; every rank keeps at least one) moved to a shared queue, costliest
-    first. A rank runs its static microbatches, then claims queue entries until the queue is
-    drained, so the queue absorbs whatever the cost model mispredicted. The microbatches are
-    exactly LB-Mini's, so stealing adds no per-microbatch overhead (splitting the held-back work
-    finer would). `ranks` holds the static microbatches followed by the claims the cost model
-    predicts (the first-free rank takes the next entry)."""
-    cost = cost or CostModel()
-    if not 0.0 <= steal_fraction <= 1.0:
-        raise ValueError(f"steal_fraction must be in [0, 1], got {steal_fraction}")
+def lb_steal(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None) -> Plan:
+    """LB-Mini's plan, run with work stealing (`iter_steal`): the microbatches are exactly
+    LB-Mini's, so stealing adds no per-microbatch overhead."""
     mini = lb_mini(lengths, world, max_tokens, cost)
-    mb_cost = lambda mb: cost.microbatch([mini.lengths[i] for i in mb])  # noqa: E731
-    ranks: list[list[tuple[int, ...]]] = []
-    queue: list[tuple[int, ...]] = []
-    loads = []
-    for mbs in mini.ranks:
-        mbs = list(mbs)  # costliest first
-        load = sum(mb_cost(mb) for mb in mbs)
-        budget = steal_fraction * load
-        while len(mbs) > 1 and mb_cost(mbs[-1]) <= budget:
-            budget -= mb_cost(mbs[-1])
-            queue.append(mbs.pop())
-        ranks.append(mbs)
-        loads.append(sum(mb_cost(mb) for mb in mbs))
-    queue = _by_cost(queue, mini.lengths, cost)
-    n_static = tuple(len(r) for r in ranks)
-    for mb in queue:  # predicted claims
-        r = min(range(world), key=lambda j: (loads[j], j))
-        loads[r] += mb_cost(mb)
-        ranks[r].append(mb)
-    return Plan("lb_steal", world, max_tokens, mini.lengths, tuple(tuple(r) for r in ranks), tuple(queue), n_static)
+    return Plan("lb_steal", world, max_tokens, mini.lengths, mini.ranks)
 
 
 def make_plan(balance: str, lengths: Sequence[int], world: int, max_tokens: int,
@@ -263,30 +276,55 @@ def make_plan(balance: str, lengths: Sequence[int], world: int, max_tokens: int,
 
 # --------------------------------------------------------------------------- run-time stealing
 
-def iter_steal(plan: Plan, next_task: Callable[[int], int], version: int) -> Iterator[tuple[int, ...]]:
-    """Yield the microbatches this rank claims from `plan.queue` for minibatch `version`.
-    `next_task(version)` returns a fresh queue position on every call, shared by all ranks (ODC:
-    `runtime.next_task`); positions past the queue end mean the queue is drained."""
-    if plan.queue is None:
+# claim(version, owner, count, steal) -> index into owner's `count` microbatches of minibatch
+# `version`, or -1 when none is left: the owner takes from the front, a thief (steal=True) from the
+# back; shared by all ranks (ODC: `Runtime.claim`, a deque word in the owner's segment).
+ClaimFn = Callable[[int, int, int, bool], int]
+
+
+def steal_victims(plan: Plan, rank: int) -> list[int]:
+    """The peers `rank` steals from, most planned tokens first (ties by rank)."""
+    return sorted((r for r in range(plan.world) if r != rank and plan.ranks[r]),
+                  key=lambda r: (-plan.rank_tokens(r), r))
+
+
+def iter_steal(plan: Plan, rank: int, claim: ClaimFn, version: int) -> Iterator[tuple[int, ...]]:
+    """The microbatches `rank` runs in minibatch `version` of an lb_steal plan: its own deque from
+    the front, then steals from the back of its peers' deques (`steal_victims` order) until every
+    deque is drained. Each claim happens when the previous microbatch is done (a generator), so
+    a microbatch is taken only when this rank is free to start it."""
+    if plan.balance != "lb_steal":
         raise ValueError(f"iter_steal needs an lb_steal plan, got {plan.balance!r}")
-    if not plan.queue:  # nothing pooled: no claim round trip
-        return
-    while True:
-        i = int(next_task(version))
-        if i < 0 or i >= len(plan.queue):
-            return
-        yield plan.queue[i]
+    own = plan.ranks[rank]
+    while own:
+        i = int(claim(version, rank, len(own), False))
+        if i < 0:
+            break
+        yield own[i]
+    victims = steal_victims(plan, rank)
+    while victims:
+        v = victims[0]
+        i = int(claim(version, v, len(plan.ranks[v]), True))
+        if i < 0:
+            victims.pop(0)  # drained for good: deques only shrink within a minibatch
+            continue
+        yield plan.ranks[v][i]
 
 
-class LocalCounter:
-    """In-process claim counter with the `next_task(version) -> int` signature (tests, threads)."""
+class LocalDeques:
+    """In-process `claim` (ClaimFn) for threads and tests: one deque per (version, owner)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._next: dict[int, int] = {}
+        self._ends: dict[tuple[int, int], list[int]] = {}
 
-    def next_task(self, version: int) -> int:
+    def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
         with self._lock:
-            i = self._next.get(version, 0)
-            self._next[version] = i + 1
-            return i
+            ends = self._ends.setdefault((version, owner), [0, count])
+            if ends[0] >= ends[1]:
+                return -1
+            if steal:
+                ends[1] -= 1
+                return ends[1]
+            ends[0] += 1
+            return ends[0] - 1

@@ -199,7 +199,7 @@ def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_t
     step m, the largest bucket of any rank's m-th microbatch so all ranks agree on the shape.
     `pad_to` appends all-padding microbatches (collective: equal counts on every rank)."""
     if plan.balance == "lb_steal":
-        raise ValueError("an lb_steal plan is partly claimed at run time (iter_steal); only comm='odc' runs it")
+        raise ValueError("an lb_steal plan is claimed at run time (iter_steal); only comm='odc' runs it")
     mine = list(plan.ranks[rank])
     if pad_to is not None:
         if len(mine) > pad_to:
@@ -413,8 +413,9 @@ class OdcRuntime(abc.ABC):
         every rank (the optimizer's global sums, then the loss)."""
 
     @abc.abstractmethod
-    def next_task(self, version: int) -> int:
-        """Shared claim counter of minibatch `version` (LB-Steal): 0, 1, 2, ... across all ranks."""
+    def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
+        """LB-Steal (balance.ClaimFn): one of `owner`'s `count` microbatches of minibatch
+        `version`, the front for the owner, the back for a thief; -1 when none is left."""
 
     # Zero-copy owner path (optional; jaxodc.odc.Runtime has it): the optimizer reads the
     # gradient where it accumulated and rewrites the master shard in place.
@@ -539,14 +540,13 @@ class OdcTrainer:
         return res
 
     def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
-        """Static plans: my microbatches, no padding. lb_steal: claim from the shared queue.
+        """Static plans: my microbatches, no padding. lb_steal: my deque, then steals (iter_steal).
         `min_bucket`: each microbatch packed to its own bucket (packing.bucket)."""
         if plan.world != self.world:
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         ran: list[tuple[int, ...]] = []
         if plan.balance == "lb_steal":
-            own = plan.static(self.rank)
-            claims = itertools.chain(own, iter_steal(plan, self.rt.next_task, self.version - self._rt_base))
+            claims = iter_steal(plan, self.rank, self.rt.claim, self.version - self._rt_base)
         else:
             claims = iter(plan.ranks[self.rank])
 

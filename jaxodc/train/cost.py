@@ -1,8 +1,10 @@
-"""Cost model of one sample: cost(s) = a*s^2 + b*s (attention is quadratic in the length, the rest
-linear). Balancers and the simulator only compare costs, so the unit is arbitrary until
-`calibrate` fits it to seconds."""
+"""Cost model: a sample of length s costs a*s^2 + b*s (attention is quadratic in the length, the
+rest linear), and every microbatch adds a fixed c (gathering and pushing each unit, dispatch), so
+packing the same samples into more microbatches costs more. Balancers and the simulator only
+compare costs, so the unit is arbitrary until `calibrate` fits it to seconds."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -12,16 +14,18 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CostModel:
-    """cost(s) = a*s^2 + b*s. The default ratio b/a = 12*d corresponds to a causal transformer of
-    hidden size d = 1536 (2*d*s^2 attention FLOPs vs 24*d^2*s linear FLOPs per layer), the scale
-    of the paper's 1.5B model."""
+    """cost(s) = a*s^2 + b*s per sample, plus c per microbatch. The default ratio b/a = 12*d
+    corresponds to a causal transformer of hidden size d = 1536 (2*d*s^2 attention FLOPs vs
+    24*d^2*s linear FLOPs per layer), the scale of the paper's 1.5B model; c defaults to 0 (the
+    paper's model)."""
 
     a: float = 1.0
     b: float = 12.0 * 1536
+    c: float = 0.0
 
     def __post_init__(self):
-        if not (np.isfinite(self.a) and np.isfinite(self.b)) or self.a < 0 or self.b < 0:
-            raise ValueError(f"CostModel needs finite a >= 0 and b >= 0, got a={self.a}, b={self.b}")
+        if not all(np.isfinite(x) and x >= 0 for x in (self.a, self.b, self.c)):
+            raise ValueError(f"CostModel needs finite a, b, c >= 0, got a={self.a}, b={self.b}, c={self.c}")
 
     @classmethod
     def for_transformer(cls, d_model: int) -> "CostModel":
@@ -36,22 +40,23 @@ class CostModel:
 
     def microbatch(self, lengths: Sequence[int]) -> float:
         """Cost of a packed microbatch: packed samples do not attend to each other, so the cost is
-        the sum of the samples' costs."""
-        return float(np.sum(self(np.asarray(lengths, dtype=np.float64)))) if len(lengths) else 0.0
+        the sum of the samples' costs, plus the per-microbatch c (an empty one costs nothing: it
+        is not run)."""
+        return float(self.c + np.sum(self(np.asarray(lengths, dtype=np.float64)))) if len(lengths) else 0.0
 
 
 def calibrate(step_fn: Callable, lengths: Sequence, *, repeats: int = 3, warmup: int = 1,
-              clock: Callable[[], float] = time.perf_counter) -> CostModel:
-    """Fit a, b (seconds) by least squares from timing `step_fn` on a few microbatches.
+              clock: Callable[[], float] = time.perf_counter, overhead: bool = True) -> CostModel:
+    """Fit a, b, c (seconds) by least squares from timing `step_fn` on a few microbatches.
 
     `lengths` items are ints (one sample of that length) or sequences of ints (one packed
     microbatch). `step_fn(item)` must run the work and block until it is done (e.g. call
     `.block_until_ready()`). Each item is timed `repeats` times after `warmup` untimed calls and
-    the minimum is used (timing noise only adds). Negative fitted coefficients are refitted with
-    that term removed (non-negative least squares on two columns)."""
+    the minimum is used (timing noise only adds). Coefficients are non-negative (`fit`).
+    With `overhead=False` c stays 0 (the paper's two-term model)."""
     items = list(lengths)
     if len(items) < 2:
-        raise ValueError(f"calibrate needs at least 2 microbatches to fit 2 coefficients, got {len(items)}")
+        raise ValueError(f"calibrate needs at least 2 microbatches to fit its coefficients, got {len(items)}")
     rows, times = [], []
     for item in items:
         ls = [int(item)] if np.isscalar(item) else [int(x) for x in item]
@@ -65,23 +70,33 @@ def calibrate(step_fn: Callable, lengths: Sequence, *, repeats: int = 3, warmup:
             step_fn(item)
             best = min(best, clock() - t0)
         s = np.asarray(ls, dtype=np.float64)
-        rows.append([np.sum(s * s), np.sum(s)])
+        rows.append((np.sum(s * s), np.sum(s)))
         times.append(best)
-    A, t = np.asarray(rows), np.asarray(times)
-    return CostModel(*_nnls2(A, t))
+    return fit([r[0] for r in rows], [r[1] for r in rows], times, overhead=overhead)
 
 
-def _nnls2(A: np.ndarray, t: np.ndarray) -> tuple[float, float]:
-    (a, b), *_ = np.linalg.lstsq(A, t, rcond=None)
-    if a >= 0 and b >= 0:
-        return float(a), float(b)
-    # Best fit with one coefficient pinned at zero; pick whichever leaves less residual.
+def fit(attention: Sequence[float], tokens: Sequence[float], seconds: Sequence[float],
+        overhead: bool = True) -> CostModel:
+    """Least-squares CostModel of measured microbatch times: microbatch i had attention work
+    attention[i] (the sum of its samples' s^2), tokens[i] tokens through the linear layers (its
+    row length, padding included) and took seconds[i]. Non-negative: of the fits with some
+    coefficients pinned at 0, the best with none negative. `overhead=False` keeps c = 0."""
+    if not len(attention) == len(tokens) == len(seconds) or len(seconds) < 2:
+        raise ValueError(f"fit needs equally many attention, token and time entries (at least 2), got "
+                         f"{len(attention)}, {len(tokens)}, {len(seconds)}")
+    rows = [[float(q), float(n), 1.0] for q, n in zip(attention, tokens)]
+    A, t = np.asarray(rows), np.asarray(seconds, dtype=np.float64)
+    cols = [0, 1, 2] if overhead else [0, 1]
     best = None
-    for col in (0, 1):
-        x = A[:, col]
-        c = max(0.0, float(x @ t / (x @ x))) if x @ x > 0 else 0.0
-        res = float(np.sum((x * c - t) ** 2))
-        coef = (c, 0.0) if col == 0 else (0.0, c)
-        if best is None or res < best[0]:
-            best = (res, coef)
-    return best[1]
+    for k in range(len(cols), 0, -1):
+        for subset in itertools.combinations(cols, k):
+            x, *_ = np.linalg.lstsq(A[:, subset], t, rcond=None)
+            if np.any(x < 0):
+                continue
+            res = float(np.sum((A[:, subset] @ x - t) ** 2))
+            if best is None or res < best[0] - 1e-30:
+                coef = [0.0, 0.0, 0.0]
+                for j, v in zip(subset, x):
+                    coef[j] = float(v)
+                best = (res, coef)
+    return CostModel(*best[1]) if best else CostModel(0.0, 0.0, 0.0)

@@ -56,8 +56,8 @@ class TrainerRuntime(OdcRuntime):
     def allgather_scalar(self, version: int, x: float) -> np.ndarray:
         return self.runtime.allgather_scalar(version, x)
 
-    def next_task(self, version: int) -> int:
-        return self.runtime.next_task(version)
+    def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
+        return self.runtime.claim(version, owner, count, steal)
 
     def close(self, barrier: bool = True) -> None:
         self.runtime.close(barrier=barrier)

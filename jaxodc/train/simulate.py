@@ -4,7 +4,7 @@ For each global minibatch (W ranks x B samples per rank) a balancer makes a plan
 - collective: microbatches run in lock-step (per-layer collectives), so microbatch step m takes the
   max over ranks of their m-th microbatch's cost, and the minibatch takes the sum of those steps;
 - odc: each rank runs its own microbatches back to back; the minibatch takes the max over ranks of
-  their totals (LB-Steal: each rank's predicted claims from the shared queue).
+  their totals (LB-Steal: work stealing replayed with the true costs, `steal_times`).
 Bubble rate = idle / total device time = sum over ranks of (minibatch time - rank busy) /
 (W x minibatch time), summed over all simulated minibatches -- the paper's Tables 4 and 6."""
 from __future__ import annotations
@@ -26,14 +26,12 @@ METHODS = ("collective/local_sort", "collective/lb_micro", "odc/local_sort", "od
 
 def plan_times(plan: Plan, cost: CostModel, comm: str, actual: Sequence[float] | None = None) -> tuple[float, np.ndarray]:
     """(minibatch time, busy time per rank) of one plan under `comm`. `actual[i]`: the true cost
-    of sample i when it differs from the model the plan was made with; LB-Steal's claims are then
-    replayed with the true costs (the first rank to finish its work takes the next queue entry)."""
-    true = (lambda mb: sum(actual[i] for i in mb)) if actual is not None else \
+    of sample i when it differs from the model the plan was made with (plus the model's
+    per-microbatch c)."""
+    true = (lambda mb: (cost.c if mb else 0.0) + sum(actual[i] for i in mb)) if actual is not None else \
         (lambda mb: cost.microbatch([plan.lengths[i] for i in mb]))
     if plan.balance == "lb_steal" and comm == "odc":
-        busy = np.array([sum(true(mb) for mb in plan.static(r)) for r in range(plan.world)], dtype=float)
-        for mb in plan.queue or ():
-            busy[int(np.argmin(busy))] += true(mb)
+        busy = steal_times(plan, true)
         return float(busy.max()), busy
     mb_cost = [[true(mb) for mb in r] for r in plan.ranks]
     busy = np.array([sum(c) for c in mb_cost])
@@ -44,6 +42,32 @@ def plan_times(plan: Plan, cost: CostModel, comm: str, actual: Sequence[float] |
     if comm == "odc":
         return float(busy.max()), busy
     raise ValueError(f"unknown comm {comm!r}; choose 'collective' or 'odc'")
+
+
+def steal_times(plan: Plan, true) -> np.ndarray:
+    """Busy time per rank of an lb_steal plan run as iter_steal runs it, with microbatch m taking
+    true(m): the rank that is free first claims next (its own deque's front, else the back of
+    the first non-empty victim deque); a rank that finds every deque empty is done."""
+    from jaxodc.train.balance import steal_victims
+    W = plan.world
+    ends = [[0, len(r)] for r in plan.ranks]
+    victims = [steal_victims(plan, r) for r in range(W)]
+    clock = np.zeros(W)
+    active = set(range(W))
+    while active:
+        r = min(active, key=lambda j: (clock[j], j))
+        if ends[r][0] < ends[r][1]:
+            mb = plan.ranks[r][ends[r][0]]
+            ends[r][0] += 1
+        else:
+            v = next((v for v in victims[r] if ends[v][0] < ends[v][1]), None)
+            if v is None:
+                active.discard(r)
+                continue
+            ends[v][1] -= 1
+            mb = plan.ranks[v][ends[v][1]]
+        clock[r] += true(mb)
+    return clock
 
 
 def bubble_rate(times: Sequence[tuple[float, np.ndarray]]) -> float:
