@@ -21,19 +21,19 @@ How the measurement is kept robust on a small shared machine:
   rank's start to last rank's end: both trainers end a minibatch with a cross-rank exchange, so
   minibatches do not overlap and the barriers cost nothing). Ratios are taken per repetition
   (paired) and the median over `--reps` repetitions is reported; so are the medians of each.
-- Bubble rate = idle / (W x span) per minibatch (jaxodc.train.metrics). ODC's is measured: busy =
-  its microbatch intervals + optimizer (ODC ranks block only on owners' publications). A
-  collective microbatch interval includes waiting inside all_gather / psum_scatter and, with
-  lock-step shapes, computing the other rank's padding, so its busy time comes from the cost model:
-  of each lock-step step's measured interval, the share t(bucket of the rank's own microbatch) /
-  t(bucket the step ran), where t is the calibrated collective step time per bucket (timed in
-  lock-step with equal shapes on every rank: compute plus the collectives' own cost, without
-  imbalance; re-timed every repetition), plus the measured optimizer step. Scaling the measured
-  interval keeps the estimate in step with the machine's momentary speed; a rank that only waited
-  for a slower peer on an equal shape still counts as busy, so the estimate errs towards a
-  smaller collective bubble. ODC's cost-model figure (`bubble_est`: its microbatches priced by
-  the ODC cost model) and the collective's measured-interval figure (`bubble_measured`, a lower
-  bound) are reported too.
+- Bubble rate = idle / (W x span) per minibatch (jaxodc.train.metrics), measured the same way for
+  every combo: busy = the CPU time of the rank's process during the minibatch (StepResult.cpu:
+  compute, the ODC daemon's accumulation, the transports' copies and reductions), idle = the
+  rest of the span, when the rank sat blocked -- in a gloo collective waiting for its peer, in
+  an ODC wait for a publication or for the last pushes. Each rank has a core of its own, so CPU
+  time is its work. Two more figures per combo, which bracket it:
+  `bubble_intervals`: busy = the microbatch and optimizer intervals (for ODC this agrees with
+  the CPU figure; for the collective it counts waiting inside the collectives as busy, a lower
+  bound) and `bubble_model`: busy from the cost model (collective: of each lock-step step's
+  measured interval, the share t(own bucket) + a*own attention work over the slowest rank's, with
+  t the lock-step step time per bucket re-timed every repetition -- blind to the ranks' momentary
+  speed differences, which make a lock-step rank wait at every collective; ODC: its microbatches
+  priced by the ODC model).
 - Each trainer plans with its own cost model a*sum(s^2) + b*tokens + c per microbatch, fitted in
   seconds (cost.fit) to its warm-up step times, averaged over ranks so every rank plans alike:
   ODC's from rows with and without content, timed with all ranks past compilation (a barrier);
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import os
@@ -303,7 +302,7 @@ def train_worker(args) -> None:
         return busy
 
     def busy_odc(res, plan):
-        """ODC's cost-model busy time (bubble_est): its microbatches by the ODC model, with
+        """ODC's cost-model busy time (bubble_model): its microbatches by the ODC model, with
         linear work following the bucketed row length."""
         return sum(cost_odc.c + cost_odc.b * bucket(plan.microbatch_tokens(m), args.max_tokens, buckets)
                    + att * sum(plan.lengths[i] ** 2 for i in m) for m in res.ran if m)
@@ -333,7 +332,8 @@ def train_worker(args) -> None:
                     "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
                     "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
-                    "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s})
+                    "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s,
+                    "cpu": res.cpu})
     rt.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
@@ -351,7 +351,9 @@ def train_worker(args) -> None:
 
 # --------------------------------------------------------------------------- throughput report
 
-def _minibatch_records(recs: list[dict], use_est: bool, step_of=lambda r: (r["rep"], r["k"])):
+def _minibatch_records(recs: list[dict], busy: str | None, step_of=lambda r: (r["rep"], r["k"])):
+    """MinibatchRecords with busy time from record field `busy` ("busy_est", "cpu"), or None:
+    the measured microbatch + optimizer intervals."""
     from jaxodc.train.metrics import MinibatchRecord
     steps = {}
     out = []
@@ -359,7 +361,7 @@ def _minibatch_records(recs: list[dict], use_est: bool, step_of=lambda r: (r["re
         s = steps.setdefault(step_of(r), len(steps))
         out.append(MinibatchRecord(r["rank"], s, r["t_start"], r["t_end"], [tuple(c) for c in r["compute"]],
                                    tuple(r["opt"]), r["samples"], r["tokens"], r["loss"], r["comm"], r["balance"],
-                                   r["busy_est"] if use_est else None))
+                                   r[busy] if busy else None))
     return out
 
 
@@ -382,27 +384,27 @@ def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
     per_rep: dict = {}  # (comm, balance, mb) -> {rep: samples/s}
     out = []
     for (comm, balance, mb), reps in cells.items():
-        sps, tps, bub, bub_meas, bub_est = {}, {}, [], [], []
+        sps, tps, bub_meas, bub_est, bub_cpu = {}, {}, [], [], []
         for rep, recs in sorted(reps.items()):
             span = _busy_span(recs)
             sps[rep] = sum(r["samples"] for r in recs) / span
             tps[rep] = sum(r["tokens"] for r in recs) / span
-            meas = bubble_rate(_minibatch_records(recs, False))
-            est = bubble_rate(_minibatch_records(recs, True))
+            meas = bubble_rate(_minibatch_records(recs, None))
+            est = bubble_rate(_minibatch_records(recs, "busy_est"))
+            bub_cpu.append(bubble_rate(_minibatch_records(recs, "cpu")))
             bub_meas.append(meas)
             bub_est.append(est)
-            bub.append(est if comm == "collective" else meas)
         per_rep[(comm, balance, mb)] = sps
         allrecs = [r for recs in reps.values() for r in recs]
         last = max(allrecs, key=lambda r: (r["rep"], r["k"]))
         v = list(sps.values())
         out.append({
             "kind": "train", "comm": comm, "balance": balance, "minibatch": mb, "ranks": W,
-            "samples_per_s": statistics.median(v), "bubble_rate": statistics.median(bub),
+            "samples_per_s": statistics.median(v), "bubble_rate": statistics.median(bub_cpu),
             "tokens_per_s": statistics.median(tps.values()),
             "samples_per_s_min": min(v), "samples_per_s_max": max(v),
-            "bubble_measured": statistics.median(bub_meas), "bubble_est": statistics.median(bub_est),
-            "bubble_source": "cost model" if comm == "collective" else "measured",
+            "bubble_intervals": statistics.median(bub_meas), "bubble_model": statistics.median(bub_est),
+            "bubble_source": "cpu time",
             "reps": len(v), "steps": len({(r["rep"], r["k"]) for r in allrecs}),
             "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len({(r["rep"], r["k"]) for r in allrecs})),
             "loss": last["loss"],
@@ -456,9 +458,9 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
 def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None) -> None:
     print_table([dict(r, combo=f"{r['comm']}+{r['balance']}") for r in rows],
                 ["minibatch", "combo", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "tokens_per_s",
-                 "bubble_rate", "bubble_measured", "bubble_est", "microbatches_per_rank", "reps"])
-    print("(bubble_rate: collective = cost-model busy time, ODC = measured intervals; bubble_measured /"
-          " bubble_est give both figures for every combo)")
+                 "bubble_rate", "bubble_intervals", "bubble_model", "microbatches_per_rank", "reps"])
+    print("(bubble_rate: busy = each rank's process CPU time in the minibatch, every combo alike; bubble_intervals:"
+          " busy = microbatch + optimizer intervals; bubble_model: busy from the cost model)")
     if raw:
         a, b, c = raw["cost"]
         ca, cb, cc = raw["cost_collective"]
@@ -488,8 +490,8 @@ def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
     for comm, balance in COMBOS:
         sel = [r for r in recs if (r["comm"], r["balance"], r["minibatch"], r["rep"]) == (comm, balance, mb, rep)]
         if sel:
-            # titles show the reported bubble (collective: cost-model busy time)
-            runs[f"{comm}+{balance} (minibatch {mb})"] = _minibatch_records(sel, comm == "collective", lambda r: r["k"])
+            # bars are the measured intervals; idle and the titles' bubble follow CPU time
+            runs[f"{comm}+{balance} (minibatch {mb})"] = _minibatch_records(sel, "cpu", lambda r: r["k"])
     return draw(runs, path, title=f"per-rank compute (bars) and idle, repetition {rep}, minibatch {mb} per rank")
 
 

@@ -1,6 +1,8 @@
 """ODC trainer (comm="odc") across 2 processes vs the single-process reference: parameters after
 several minibatches agree elementwise, with different microbatch counts per rank, a rank with zero
 microbatches, exact global-norm clipping, and LB-Steal claiming at run time."""
+import os
+
 import numpy as np
 import pytest
 
@@ -50,18 +52,19 @@ def odc_body(ctx, balance):
     layout = make_layout(params, W, order=model.unit_names)
     rt = TrainerRuntime.create(layout, ctx)
     tr = OdcTrainer(model, _optimizer(clip_by_global_norm), params, rt)
-    losses, ran = [], []
+    losses, ran, cpu = [], [], []
     for plan, idx in zip(_plans(samples, mbs, balance), mbs):
         sub = Samples([samples[i] for i in idx])
         res = tr.train_plan(plan, sub.tokens)
         losses.append(res.loss)
         ran.append(len(res.microbatches))
+        cpu.append((res.cpu, res.t_end - res.t_start))
     shards = tr.local_shards()
     # On the CPU backend the trainer's shards are the runtime's masters themselves (no second copy).
     from jaxodc.train.collective import _aliases
     shared = [_aliases(tr.shards[u.name], rt.master_view(u.index)) for u in layout.units]
     rt.close()
-    return losses, ran, shards, shared
+    return losses, ran, shards, shared, cpu
 
 
 @pytest.mark.parametrize("balance", ["lb_mini", "lb_steal"])
@@ -94,9 +97,11 @@ def test_odc_trainer_matches_reference(balance):
         plans = _plans(samples, mbs, balance)
         assert [a + b for a, b in zip(*counts)] == [sum(p.counts()) for p in plans], counts
         assert plans[1].counts()[1] == 0 and counts[1][1] >= 1, counts  # rank 1 stole from rank 0
-    for losses, _, _, shared in results:
+    for losses, _, _, shared, cpu in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert all(shared), shared
+        # process CPU time of each minibatch: positive, and no more than its wall time on every core
+        assert all(0 < c <= wall * os.cpu_count() + 0.05 for c, wall in cpu), cpu
 
     # Owners add microbatch gradients in arrival order, so sums differ from the reference's in the
     # last bits; Adam's m/sqrt(v) magnifies that for near-zero gradient elements. atol is 5e-4 of

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import itertools
 import threading
 import time
 import zlib
@@ -190,6 +189,9 @@ class StepResult:
     microbatches: list[tuple[float, float]] = field(default_factory=list)
     opt: tuple[float, float] = (0.0, 0.0)
     ran: list[tuple[int, ...]] = field(default_factory=list)  # train_plan: sample indices per microbatch run here
+    # Process CPU seconds from t_start to t_end (every thread: compute, the ODC daemon's
+    # accumulation, transports): with one core per rank, wall - cpu is the time it sat blocked.
+    cpu: float = 0.0
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
@@ -302,7 +304,7 @@ class CollectiveTrainer:
                              [len(mbs), zlib.crc32(shapes) & 0x7FFFFFFF])
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
-        res = StepResult(self.version, 0.0, time.perf_counter(), 0.0)
+        res, cpu0 = StepResult(self.version, 0.0, time.perf_counter(), 0.0), time.process_time()
         ntok = jnp.float32(global_tokens)
         acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
         loss = 0.0
@@ -316,7 +318,7 @@ class CollectiveTrainer:
         self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
         res.opt = (t0, time.perf_counter())
-        res.loss, res.t_end = loss, res.opt[1]
+        res.loss, res.t_end, res.cpu = loss, res.opt[1], time.process_time() - cpu0
         self.version += 1
         return res
 
@@ -513,7 +515,7 @@ class OdcTrainer:
         step, v = self.version, self.version - self._rt_base  # v: runtime version
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
-        res = StepResult(step, 0.0, time.perf_counter(), 0.0)
+        res, cpu0 = StepResult(step, 0.0, time.perf_counter(), 0.0), time.process_time()
         ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
         loss = 0.0
         for mb in microbatches:
@@ -535,7 +537,7 @@ class OdcTrainer:
         self._publish(shards, v + 1)
         res.opt = (t0, time.perf_counter())
         res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
-        res.t_end = time.perf_counter()
+        res.t_end, res.cpu = time.perf_counter(), time.process_time() - cpu0
         self.version = step + 1
         return res
 

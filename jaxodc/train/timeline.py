@@ -1,5 +1,7 @@
 """Per-rank Gantt chart of compute vs idle per minibatch, several runs side by side (e.g. ODC vs
-collective), so a stall is visible at a glance. `draw({"odc + lb_mini": recs, ...}, "out.png")`
+collective), so a stall is visible at a glance. Where a record's busy time (`busy_s`, e.g. CPU
+time) is below its measured intervals -- a collective microbatch interval includes waiting for the
+peer -- each interval is drawn shortened in that proportion and the rest shows as idle. `draw({"odc + lb_mini": recs, ...}, "out.png")`
 or `python -m jaxodc.train.timeline out.png name=records.jsonl ...`."""
 from __future__ import annotations
 
@@ -35,10 +37,12 @@ def draw(runs: Mapping[str, Sequence[MinibatchRecord]], path: str, title: str | 
             b = max(r.t_end for r in rs) - t0
             for r in rs:
                 ax.broken_barh([(a, b - a)], (r.rank - 0.4, 0.8), facecolors="#f4cccc", edgecolor="none")
-                ax.broken_barh([(x - t0, y - x) for x, y in r.compute], (r.rank - 0.4, 0.8),
+                spans = sum(y - x for x, y in r.compute) + (r.opt[1] - r.opt[0] if r.opt else 0.0)
+                f = min(1.0, r.busy / spans) if spans > 0 else 1.0
+                ax.broken_barh([(x - t0, (y - x) * f) for x, y in r.compute], (r.rank - 0.4, 0.8),
                                facecolors=_COLORS[k % 2], edgecolor="white", linewidth=0.3)
                 if r.opt:
-                    ax.broken_barh([(r.opt[0] - t0, r.opt[1] - r.opt[0])], (r.rank - 0.4, 0.8), facecolors="#ff7f0e")
+                    ax.broken_barh([(r.opt[0] - t0, (r.opt[1] - r.opt[0]) * f)], (r.rank - 0.4, 0.8), facecolors="#ff7f0e")
             ax.axvline(b, color="grey", linewidth=0.5, linestyle=":")
         ax.set_yticks(range(world))
         ax.set_yticklabels([f"rank {i}" for i in range(world)])
