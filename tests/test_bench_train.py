@@ -28,7 +28,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert r["ranks"] == 2
         assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0, r
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > r["samples_per_s"], r
-        for k in ("bubble_rate", "bubble_measured", "bubble_est"):
+        for k in ("bubble_rate", "bubble_intervals", "bubble_model"):
             assert 0.0 <= r[k] <= 1.0, (k, r)
         assert r["steps"] == max(1, math.ceil(1 / r["minibatch"])) and r["reps"] == 1
         assert math.isfinite(r["loss"]) and r["loss"] > 0
@@ -41,36 +41,41 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert ("odc+lb_mini bubble / collective+lb_micro bubble", mb) in names
     assert all(isinstance(b["pass"], bool) for b in bars if b["threshold"] is not None)
     (cal,) = [r for r in records if r["kind"] == "calibration"]
-    assert cal["rows"] == [32] and cal["cost_a"] >= 0 and cal["cost_b"] >= 0 and cal["cost_a"] + cal["cost_b"] > 0
+    assert cal["rows"] == [32]
+    for model in (cal["cost_odc"], cal["cost_collective"]):  # a, b, c of each trainer's fitted model
+        assert len(model) == 3 and min(model) >= 0 and sum(model) > 0, cal
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
 
 
-def _rec(comm, balance, rep, k, rank, t0, t1, compute, busy_est, samples=1, tokens=10):
+def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10):
     return {"comm": comm, "balance": balance, "minibatch": 1, "rep": rep, "k": k, "rank": rank, "t_start": t0,
             "t_end": t1, "compute": compute, "opt": [t1, t1], "samples": samples, "tokens": tokens, "loss": 1.0,
-            "n_micro": len(compute), "busy_est": busy_est}
+            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu}
 
 
 def test_summarize_arithmetic():
     from bench.train import summarize
     recs = []
     for rep, scale in ((0, 1.0), (1, 2.0)):  # repetition 1 runs on a machine twice as slow
-        # collective: both ranks' intervals cover the whole 4 s (lock-step); cost model says rank 1
-        # computes 2 s of it. ODC: rank 0 busy 2 of 2 s, rank 1 busy 1 of 2 s.
-        for rank, est in ((0, 4.0), (1, 2.0)):
-            recs.append(_rec("collective", "lb_micro", rep, 0, rank, 0.0, 4.0 * scale, [[0.0, 4.0 * scale]], est * scale))
-        recs.append(_rec("odc", "lb_mini", rep, 0, 0, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + 2.0 * scale]], 0.0))
-        recs.append(_rec("odc", "lb_mini", rep, 0, 1, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + scale]], 0.0))
-        recs.append(_rec("odc", "lb_steal", rep, 0, 0, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], 0.0))
-        recs.append(_rec("odc", "lb_steal", rep, 0, 1, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], 0.0))
+        # collective: both ranks' intervals cover the whole 4 s (lock-step); rank 1 used the CPU for
+        # 2 s of it (blocked in the collectives the rest), the cost model says 3 s.
+        # ODC: rank 0 busy 2 of 2 s, rank 1 busy 1 of 2 s (CPU time and intervals agree).
+        for rank, cpu, est in ((0, 4.0, 4.0), (1, 2.0, 3.0)):
+            recs.append(_rec("collective", "lb_micro", rep, 0, rank, 0.0, 4.0 * scale, [[0.0, 4.0 * scale]],
+                             cpu * scale, est * scale))
+        recs.append(_rec("odc", "lb_mini", rep, 0, 0, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + 2.0 * scale]], 2.0 * scale))
+        recs.append(_rec("odc", "lb_mini", rep, 0, 1, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + scale]], scale))
+        recs.append(_rec("odc", "lb_steal", rep, 0, 0, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], scale))
+        recs.append(_rec("odc", "lb_steal", rep, 0, 1, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], scale))
     rows, bars = summarize({"records": recs})
     cell = {(r["comm"], r["balance"]): r for r in rows}
     coll, mini, steal = cell[("collective", "lb_micro")], cell[("odc", "lb_mini")], cell[("odc", "lb_steal")]
     # 2 samples per block; spans 4 and 8 s -> 0.5 and 0.25 samples/s, median 0.375
     assert coll["samples_per_s"] == pytest.approx(0.375)
-    assert coll["bubble_rate"] == pytest.approx(0.25) and coll["bubble_source"] == "cost model"
-    assert coll["bubble_measured"] == pytest.approx(0.0)
-    assert mini["bubble_rate"] == pytest.approx(0.25) and mini["bubble_source"] == "measured"
+    assert coll["bubble_rate"] == pytest.approx(0.25) and coll["bubble_source"] == "cpu time"
+    assert coll["bubble_intervals"] == pytest.approx(0.0)  # waiting inside the collectives looks busy
+    assert coll["bubble_model"] == pytest.approx(0.125)
+    assert mini["bubble_rate"] == pytest.approx(0.25) and mini["bubble_intervals"] == pytest.approx(0.25)
     # ratios are per repetition (paired): 2x in both repetitions
     by = {(b["bar"], b["minibatch"]): b for b in bars}
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["value"] == pytest.approx(2.0)
