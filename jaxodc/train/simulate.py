@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxodc.train.balance import Plan, make_plan
+from jaxodc.train.balance import Plan, make_plan, steal_victims
 from jaxodc.train.cost import CostModel
 from jaxodc.train.data import PRESETS, load_lengths, sample_lengths
 
@@ -48,7 +48,6 @@ def steal_times(plan: Plan, true) -> np.ndarray:
     """Busy time per rank of an lb_steal plan run as iter_steal runs it, with microbatch m taking
     true(m): the rank that is free first claims next (its own deque's front, else the back of
     the first non-empty victim deque); a rank that finds every deque empty is done."""
-    from jaxodc.train.balance import steal_victims
     W = plan.world
     ends = [[0, len(r)] for r in plan.ranks]
     victims = [steal_victims(plan, r) for r in range(W)]
