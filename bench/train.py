@@ -118,6 +118,8 @@ def _args(argv):
     p.add_argument("--memory-layers", type=int, default=4)
     p.add_argument("--memory-tokens", type=int, default=64, help="row length of the memory run's microbatches")
     p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--memory-slot-mib", type=float, default=1.0,
+                   help="ODC receive slot per client, MiB (pushes travel in chunks of it; 0: a whole shard)")
     p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory"), help=argparse.SUPPRESS)
@@ -509,7 +511,7 @@ def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
 def _forward(args) -> list[str]:
     keys = ("minibatch", "reps", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
-            "memory_steps")
+            "memory_steps", "memory_slot_mib")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
@@ -659,7 +661,7 @@ def memory_worker(args) -> None:
     if comm == "collective":
         tr = CollectiveTrainer(model, optimizer, params)
     else:
-        rt = TrainerRuntime.create(layout, ctx)
+        rt = TrainerRuntime.create(layout, ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
         tr = OdcTrainer(model, optimizer, params, rt)
     del params
     gc.collect()

@@ -7,16 +7,24 @@ def grad_loss(w1, w2, x):
     return jnp.sum((jnp.tanh(x @ w1.reshape(5, 9)) @ w2.reshape(9, 3)) ** 2)
 
 
-def check_grad_reaches_owners(ctx, rt, shards, full, version):
+def check_grad_reaches_owners(ctx, rt, shards, full, version, pieces=False):
     """Units 0 (45 elements) and 1 (27) hold `full` at `version`. Every rank takes jax.grad of a
-    small loss through odc_gather with its own input, so the backward pass pushes the cotangents
+    small loss through odc_gather (`pieces`: odc_gather_pieces, unit 0 cut in three, so each piece's
+    cotangent is pushed on its own) with its own input, so the backward pass pushes the cotangents
     to the owners. Checks that the local shard gradients are zero and that each owner's summed
     gradient equals the single-process sum over all ranks' inputs (rtol 1e-5)."""
     import jax
-    from jaxodc.ops import odc_gather
+    import jax.numpy as jnp
+    from jaxodc.ops import odc_gather, odc_gather_pieces
+
+    def gather(s, v, unit, numel):
+        if not pieces:
+            return odc_gather(s, v, unit=unit, numel=numel)
+        cut = ((0, 9), (9, 30), (39, 6)) if unit == 0 else ((0, 27),)
+        return jnp.concatenate(odc_gather_pieces(s, v, unit=unit, numel=numel, pieces=cut))
 
     def loss(s1, s2, x, v):
-        return grad_loss(odc_gather(s1, v, unit=0, numel=45), odc_gather(s2, v, unit=1, numel=27), x)
+        return grad_loss(gather(s1, v, 0, 45), gather(s2, v, 1, 27), x)
 
     xs = [np.random.default_rng([r, 5]).standard_normal((4, 5)).astype(np.float32) for r in range(ctx.world)]
     local = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(shards[0], shards[1], xs[ctx.rank], version))

@@ -248,6 +248,80 @@ def test_grad_through_gather_reaches_owners():
     assert run_ranks(grad_body, 2, timeout_s=90) == [True, True]
 
 
+def grad_pieces_body(ctx):
+    import jax.numpy as jnp
+    sizes = [45, 27]
+    rt = make_runtime(ctx, sizes=sizes)
+    full = [unit_values(u, n, 0) for u, n in enumerate(sizes)]
+    for u in range(2):
+        lo, hi = rt.shard_range(u)
+        shard = np.zeros(rt.shard_size(u), np.float32)
+        shard[: hi - lo] = full[u][lo:hi]
+        rt.publish(u, shard, 0)
+    check_grad_reaches_owners(ctx, rt, [jnp.asarray(rt.read_shard(u)) for u in range(2)], full, 0, pieces=True)
+    rt.close()
+    return True
+
+
+def test_grad_through_gathered_pieces_reaches_owners():
+    """odc_gather_pieces: each piece's cotangent pushed on its own (range pushes; a piece spans
+    both owners of unit 0) sums at the owners like the whole unit's."""
+    assert run_ranks(grad_pieces_body, 3, timeout_s=90) == [True, True, True]
+
+
+def range_body(ctx, transport, slot_elems, seed):
+    from jaxodc.odc import Runtime
+    rt = Runtime.create(UNIT_SIZES, ctx, transport=transport, timeout_s=30.0, slot_elems=slot_elems)
+    publish_all(rt, 0)
+
+    def ranges_of(rank):  # a whole-unit push, then ranges of every unit (some empty, some whole)
+        rng = np.random.default_rng([seed, rank])
+        out = [(u, None, rng.standard_normal(n).astype(np.float32)) for u, n in enumerate(UNIT_SIZES)]
+        for _ in range(12):
+            u = int(rng.integers(len(UNIT_SIZES)))
+            a, b = sorted(int(x) for x in rng.integers(0, UNIT_SIZES[u] + 1, 2))
+            out.append((u, a, rng.standard_normal(b - a).astype(np.float32)))
+        return out
+
+    for u, offset, g in ranges_of(ctx.rank):
+        rt.scatter_accumulate(u, 0, g, offset=offset)
+    rt.done(0)
+    rt.wait_complete(0)
+    for u, n in enumerate(UNIT_SIZES):
+        total = np.zeros(n, np.float64)
+        for r in range(ctx.world):
+            for uu, offset, g in ranges_of(r):
+                if uu == u:
+                    total[offset or 0:(offset or 0) + g.size] += g
+        lo, hi = rt.shard_range(u)
+        got = rt.fetch_grad(u)
+        np.testing.assert_allclose(got[: hi - lo], total[lo:hi], rtol=1e-5, atol=1e-5, err_msg=f"unit {u}")
+        assert np.all(got[hi - lo:] == 0)
+    with pytest.raises(Exception, match=r"elements \[995, 1005\) are outside unit 2 of 1000"):
+        rt.scatter_accumulate(2, 1, np.ones(10, np.float32), offset=995)
+    stats = rt.stats()
+    rt.close()
+    return stats
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_range_pushes_through_small_slots_equal_numpy_sum(transport):
+    """Receive slots of 5 elements: every push (whole units and ranges) travels in 5-element
+    chunks, and the owners' sums still equal numpy's, element by element."""
+    stats = run_ranks(range_body, 3, args=(transport, 5, 11))
+    assert all(s["slot_bytes"] == 5 * 4 * 3 for s in stats)
+
+
+def slot_mismatch_body(ctx):
+    from jaxodc.odc import Runtime
+    Runtime.create([100], ctx, timeout_s=10.0, slot_elems=8 if ctx.rank == 1 else 16)
+
+
+def test_mismatched_slot_sizes_name_the_rank():
+    with pytest.raises(RankFailure, match="rank 1 has receive slots of 8 elements, rank 0 of 16"):
+        run_ranks(slot_mismatch_body, 2)
+
+
 def bf16_body(ctx):
     import jax
     import jax.numpy as jnp

@@ -40,9 +40,10 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   static nb::exception<PeerError> odc_peer(m, "PeerError", PyExc_ConnectionError);
 
   nb::class_<Runtime>(m, "OdcRuntime")
-      .def(nb::init<int, int, const std::string&, const std::vector<int64_t>&, double, const std::string&>(),
+      .def(nb::init<int, int, const std::string&, const std::vector<int64_t>&, double, const std::string&, int64_t>(),
            nb::arg("rank"), nb::arg("world"), nb::arg("job_id"), nb::arg("unit_numels"), nb::arg("timeout_s"),
-           nb::arg("listen_host") = "127.0.0.1")
+           nb::arg("listen_host") = "127.0.0.1", nb::arg("slot_elems") = 0)
+      .def_prop_ro("slot_elems", &Runtime::slot_elems, "fp32 elements per receive slot")
       .def_prop_ro("rank", &Runtime::rank)
       .def_prop_ro("world", &Runtime::world)
       .def_prop_ro("num_units", &Runtime::num_units)
@@ -113,6 +114,14 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
             rt.scatter_accumulate(unit, version, grad.data(), t, static_cast<int64_t>(grad.shape(0)));
           },
           nb::arg("unit"), nb::arg("version"), nb::arg("grad"))
+      .def(
+          "scatter_accumulate_range",
+          [](Runtime& rt, int unit, int64_t version, int64_t offset, AnyIn grad) {
+            ElemType t = elem_type_of(grad.dtype(), "scatter_accumulate_range");
+            nb::gil_scoped_release release;
+            rt.scatter_accumulate_range(unit, version, offset, grad.data(), t, static_cast<int64_t>(grad.shape(0)));
+          },
+          nb::arg("unit"), nb::arg("version"), nb::arg("offset"), nb::arg("grad"))
       .def("done", &Runtime::done, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
       .def("wait_complete", &Runtime::wait_complete, nb::arg("version"), nb::call_guard<nb::gil_scoped_release>())
       .def("claim", &Runtime::claim, nb::arg("version"), nb::arg("owner"), nb::arg("count"), nb::arg("steal"),
@@ -195,6 +204,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   add_target(targets, "jaxodc_odc_gather", "cpu", odc::OdcGatherCpu);
   add_target(targets, "jaxodc_odc_gather_into", "cpu", odc::OdcGatherIntoCpu);
   add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
+  add_target(targets, "jaxodc_odc_scatter_range", "cpu", odc::OdcScatterRangeCpu);
 #ifdef JAXODC_WITH_CUDA
   add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
   add_target(targets, "jaxodc_odc_gather_into", "CUDA", odc::OdcGatherIntoCuda);

@@ -44,10 +44,31 @@ ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::
   });
 }
 
+// Pushes elements [offset, offset + numel(grad)) of the unit (one parameter of it, say) to their
+// owners, so a unit's gradient never needs concatenating into one buffer.
+ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
+                               ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit, int64_t offset) {
+  Runtime* rt;
+  ElemType type;
+  // check_call validates the shard and dtype against the whole unit; the range is checked by the runtime.
+  if (auto err = check_call("odc.scatter_accumulate_range", unit, local_shard.element_type(),
+                            local_shard.element_count(), grad.element_type(), -1, &rt, &type);
+      err.failure())
+    return err;
+  const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
+  token->typed_data()[0] = 0;
+  return run_guarded([&] {
+    rt->scatter_accumulate_range(static_cast<int>(unit), v, offset, grad.untyped_data(), type,
+                                 static_cast<int64_t>(grad.element_count()));
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl, bind_gather(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl, bind_gather_into(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl, bind_scatter(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCpu, ScatterRangeCpuImpl,
+                              bind_scatter(ffi::Ffi::Bind()).Attr<int64_t>("offset"));
 
 }  // namespace jaxodc::odc

@@ -47,10 +47,10 @@ inline ffi::Error run_guarded(const std::function<void()>& body) {
   return ffi::Error::Success();
 }
 
-// Resolves the runtime, the unit and the compute dtype; `numel` is the full unit's size the
-// caller passes (gathered output or gradient).
+// Resolves the runtime, the unit and the compute dtype; `full_numel` is the full unit's size the
+// caller passes (gathered output or gradient), or -1 to skip that check (range pushes).
 inline ffi::Error check_call(const char* op, int64_t unit, ffi::DataType shard_type, size_t shard_numel,
-                             ffi::DataType full_type, size_t full_numel, Runtime** rt, ElemType* type) {
+                             ffi::DataType full_type, int64_t full_numel, Runtime** rt, ElemType* type) {
   *rt = current_runtime();
   if (*rt == nullptr)
     return invalid(std::string(op) +
@@ -71,7 +71,7 @@ inline ffi::Error check_call(const char* op, int64_t unit, ffi::DataType shard_t
   } else {
     return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": compute dtype must be float32 or bfloat16");
   }
-  if (static_cast<int64_t>(full_numel) != (*rt)->numel(static_cast<int>(unit)))
+  if (full_numel >= 0 && full_numel != (*rt)->numel(static_cast<int>(unit)))
     return invalid(std::string(op) + ": unit " + std::to_string(unit) + " has " +
                    std::to_string((*rt)->numel(static_cast<int>(unit))) + " elements, got an array of " +
                    std::to_string(full_numel));

@@ -99,7 +99,7 @@ Runtime* current_runtime() { return g_runtime.load(std::memory_order_acquire); }
 void set_current_runtime(Runtime* rt) { g_runtime.store(rt, std::memory_order_release); }
 
 Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
-                 double timeout_s, const std::string& listen_host)
+                 double timeout_s, const std::string& listen_host, int64_t slot_elems)
     : rank_(rank), world_(world), job_id_(job_id), numels_(unit_numels), timeout_s_(timeout_s) {
   if (world < 1) throw Error("world size must be >= 1, got " + std::to_string(world));
   if (rank < 0 || rank >= world)
@@ -118,6 +118,11 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
     max_shard_ = std::max(max_shard_, shard);
     layout_hash_ = fnv1a(layout_hash_, &numels_[u], sizeof(int64_t));
   }
+  if (slot_elems < 0)
+    throw Error("rank " + std::to_string(rank) + ": slot_elems must be >= 0 (0: one shard of the largest unit), got " +
+                std::to_string(slot_elems));
+  slot_elems_ = slot_elems == 0 ? max_shard_ : std::min(slot_elems, max_shard_);
+  layout_hash_ = fnv1a(layout_hash_, &slot_elems_, sizeof(int64_t));  // clients write in slot-sized chunks
 
   // Segment layout.
   const int nu = num_units();
@@ -130,7 +135,7 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
     master_offsets.push_back(off);
     off = align_up(off + static_cast<size_t>(shards_[u]) * 4, 64);
   }
-  size_t slot_stride = align_up(64 + static_cast<size_t>(max_shard_) * 4, 64);
+  size_t slot_stride = align_up(64 + static_cast<size_t>(slot_elems_) * 4, 64);
   size_t slots_off = off;
   off += slot_stride * world;
   size_t done_off = off;
@@ -235,7 +240,7 @@ int64_t Runtime::shard_size(int unit) const {
 
 Stats Runtime::stats() const {
   Stats s;
-  s.slot_bytes = static_cast<int64_t>(max_shard_) * 4 * world_;
+  s.slot_bytes = static_cast<int64_t>(slot_elems_) * 4 * world_;
   for (int64_t sh : shards_) s.master_bytes += sh * 4;
   s.accum_bytes = s.master_bytes;
   s.segment_bytes = static_cast<int64_t>(seg_bytes_);
@@ -457,38 +462,69 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
   for (int i = 0; i < world_; ++i) {
     int d = (rank_ + 1 + i) % world_;
     if (route == Route::kHostOwners && device_owner(d)) continue;
-    Peer& p = *peers_[d];
     int64_t lo = std::min<int64_t>(static_cast<int64_t>(d) * shard, numel);
-    int64_t n = std::min<int64_t>(shard, numel - lo);
-    if (n < 0) n = 0;
-    const std::string what = "pushing unit " + std::to_string(unit) + " version " + std::to_string(version) +
-                             " to " + p.name();
-    if (p.transport == Transport::kSelf) {
-      if (type == ElemType::kF32) {
-        accumulate(unit, version, rank_, reinterpret_cast<const float*>(src + lo * esize), n);
-      } else {
-        staging.resize(static_cast<size_t>(n));
-        load_to_f32(staging.data(), src + lo * esize, type, n);
-        accumulate(unit, version, rank_, staging.data(), n);
-      }
-    } else if (is_mapped(p.transport)) {
-      SlotHeader* slot = p.seg->slot(rank_);
+    int64_t n = std::max<int64_t>(0, std::min<int64_t>(shard, numel - lo));
+    push_to_owner(*peers_[d], unit, version, 0, src + lo * esize, type, n, staging);
+  }
+}
+
+void Runtime::scatter_accumulate_range(int unit, int64_t version, int64_t offset, const void* grad, ElemType type,
+                                       int64_t n) {
+  check_open("scatter_accumulate");
+  check_unit(unit, "scatter_accumulate");
+  const int64_t numel = numels_[unit], shard = shards_[unit];
+  if (offset < 0 || n < 0 || offset + n > numel)
+    throw Error("scatter_accumulate: rank " + std::to_string(rank_) + ": elements [" + std::to_string(offset) + ", " +
+                std::to_string(offset + n) + ") are outside unit " + std::to_string(unit) + " of " +
+                std::to_string(numel) + " elements");
+  const char* src = static_cast<const char*>(grad);
+  const size_t esize = elem_size(type);
+  std::vector<float> staging;
+  for (int i = 0; i < world_; ++i) {
+    int d = (rank_ + 1 + i) % world_;
+    const int64_t lo = static_cast<int64_t>(d) * shard;
+    const int64_t a = std::max(lo, offset), b = std::min(lo + shard, offset + n);
+    if (a >= b) continue;  // this owner holds none of the range
+    push_to_owner(*peers_[d], unit, version, a - lo, src + (a - offset) * esize, type, b - a, staging);
+  }
+}
+
+void Runtime::push_to_owner(Peer& p, int unit, int64_t version, int64_t offset, const char* src, ElemType type,
+                            int64_t count, std::vector<float>& staging) {
+  const size_t esize = elem_size(type);
+  const std::string what = "pushing unit " + std::to_string(unit) + " version " + std::to_string(version) + " to " +
+                           p.name();
+  if (p.transport == Transport::kSelf) {
+    if (type == ElemType::kF32) {
+      accumulate(unit, version, rank_, reinterpret_cast<const float*>(src), count, offset);
+    } else {
+      staging.resize(static_cast<size_t>(count));
+      load_to_f32(staging.data(), src, type, count);
+      accumulate(unit, version, rank_, staging.data(), count, offset);
+    }
+  } else if (is_mapped(p.transport)) {
+    // In slot-sized chunks (at least one message, so an empty piece still reaches its owner).
+    SlotHeader* slot = p.seg->slot(rank_);
+    float* data = p.seg->slot_data(rank_);
+    int64_t sent = 0;
+    do {
+      const int64_t chunk = std::min(slot_elems_, count - sent);
       wait_for(
           &p.seg->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; }, &p,
           "waiting for its receive slot at " + p.name() + " (" + what + ")");
-      float* data = p.seg->slot_data(rank_);
-      load_to_f32(data, src + lo * esize, type, n);
-      p.seg->raise_slot(rank_, unit, version, n, kSlotHost);
+      load_to_f32(data, src + sent * esize, type, chunk);
+      p.seg->raise_slot(rank_, unit, version, chunk, kSlotHost, offset + sent);
+      sent += chunk;
+    } while (sent < count);
+  } else {
+    std::lock_guard<std::mutex> lock(p.mu);
+    send_request(p.fd, p.name(), timeout_s_, kPush, rank_, unit, version, count, static_cast<uint64_t>(offset));
+    if (type == ElemType::kF32) {
+      net::send_all(p.fd, src, static_cast<size_t>(count) * 4, timeout_s_, p.name());
     } else {
-      std::lock_guard<std::mutex> lock(p.mu);
-      send_request(p.fd, p.name(), timeout_s_, kPush, rank_, unit, version, n);
-      if (type == ElemType::kF32) {
-        net::send_all(p.fd, src + lo * esize, static_cast<size_t>(n) * 4, timeout_s_, p.name());
-      } else {
-        staging.resize(static_cast<size_t>(n));
-        load_to_f32(staging.data(), src + lo * esize, type, n);
-        net::send_all(p.fd, staging.data(), static_cast<size_t>(n) * 4, timeout_s_, p.name());
-      }
+      staging.resize(static_cast<size_t>(count));
+      load_to_f32(staging.data(), src, type, count);
+      net::send_all(p.fd, staging.data(), static_cast<size_t>(count) * 4, timeout_s_, p.name());
     }
   }
 }
@@ -649,10 +685,10 @@ bool Runtime::accept_push(int unit, int64_t version, int client) {
   return false;
 }
 
-void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count) {
+void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset) {
   if (!accept_push(unit, version, client)) return;
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  float* acc = accum_[unit].get();
+  float* acc = accum_[unit].get() + offset;
   for (int64_t i = 0; i < count; ++i) acc[i] += data[i];
 }
 
@@ -663,12 +699,15 @@ bool Runtime::drain_slots() {
     SlotHeader* slot = seg_->slot(c);
     if (slot->state.load(std::memory_order_acquire) != kSlotFull) continue;
     int unit = slot->unit;
-    int64_t count = slot->count;
-    if (unit < 0 || unit >= num_units() || count < 0 || count > shards_[unit]) {
+    int64_t count = slot->count, offset = slot->offset;
+    const bool host = slot->where == kSlotHost;
+    if (unit < 0 || unit >= num_units() || count < 0 || offset < 0 || offset + count > shards_[unit] ||
+        (host && count > slot_elems_) || (!host && offset != 0)) {
       std::lock_guard<std::mutex> lock(error_mu_);
       if (daemon_error_.empty())
         daemon_error_ = "rank " + std::to_string(c) + " pushed a malformed message (unit " + std::to_string(unit) +
-                        ", " + std::to_string(count) + " elements) to rank " + std::to_string(rank_);
+                        ", " + std::to_string(count) + " elements at " + std::to_string(offset) + ") to rank " +
+                        std::to_string(rank_);
     } else if (slot->where == kSlotDevice || slot->where == kSlotNvshmem) {
       if (dev_ == nullptr) {
         std::lock_guard<std::mutex> lock(error_mu_);
@@ -686,7 +725,7 @@ bool Runtime::drain_slots() {
       pushes_received_.fetch_add(1, std::memory_order_relaxed);
       bytes_received_.fetch_add(count * 4, std::memory_order_relaxed);
     } else {
-      accumulate(unit, slot->version, c, seg_->slot_data(c), count);
+      accumulate(unit, slot->version, c, seg_->slot_data(c), count, offset);
       pushes_received_.fetch_add(1, std::memory_order_relaxed);
       bytes_received_.fetch_add(count * 4, std::memory_order_relaxed);
     }
@@ -913,16 +952,22 @@ void Runtime::serve_connection(int fd) {
           break;
         }
         case kPush: {
-          if (h.unit < 0 || h.unit >= num_units() || h.count < 0 || h.count > shards_[h.unit])
+          const int64_t offset = static_cast<int64_t>(h.aux);
+          if (h.unit < 0 || h.unit >= num_units() || h.count < 0 || offset < 0 || offset + h.count > shards_[h.unit])
             throw PeerError("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
-                            " elements)");
+                            " elements at " + std::to_string(offset) + ")");
           SlotHeader* slot = seg_->slot(client);
-          wait_for(&seg_->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; },
-                   nullptr, "draining the receive slot of rank " + std::to_string(client));
-          // The slot is marked full only after every byte arrived: a client that dies
-          // mid-push leaves the accumulator untouched.
-          net::recv_all(fd, seg_->slot_data(client), static_cast<size_t>(h.count) * 4, timeout_s_, peer_name);
-          seg_->raise_slot(client, h.unit, h.version, h.count, kSlotHost);
+          int64_t got = 0;
+          do {  // in slot-sized chunks
+            const int64_t chunk = std::min(slot_elems_, h.count - got);
+            wait_for(&seg_->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; },
+                     nullptr, "draining the receive slot of rank " + std::to_string(client));
+            // A chunk is marked full only after every byte arrived: a client that dies mid-chunk
+            // leaves the accumulator without it.
+            net::recv_all(fd, seg_->slot_data(client), static_cast<size_t>(chunk) * 4, timeout_s_, peer_name);
+            seg_->raise_slot(client, h.unit, h.version, chunk, kSlotHost, offset + got);
+            got += chunk;
+          } while (got < h.count);
           break;
         }
         case kDone:

@@ -2,8 +2,9 @@
 // and the parameter server of its shard of every unit.
 //
 // Server state per rank lives in one segment: fp32 master shards with versions, one bounded
-// receive slot per client (each slot holds one shard of the largest unit, so all slots together
-// stay within one unit's size), done markers, per-minibatch scalars and work-stealing counters.
+// receive slot per client (by default each slot holds one shard of the largest unit, so all slots
+// together stay within one unit's size; `slot_elems` bounds them further, and pushes then travel
+// in chunks of that size), done markers, per-minibatch scalars and work-stealing counters.
 // The segment is POSIX shared memory, so peers on the same host read and write it directly
 // (one-sided); peers elsewhere reach it through this rank's TCP server thread, which performs the
 // same one-sided operations on their behalf. Gradient accumulators are private to the owner; its
@@ -76,8 +77,11 @@ struct Stats {
 
 class Runtime {
  public:
+  // slot_elems: fp32 elements per receive slot; 0 = one shard of the largest unit (a push lands in
+  // one piece). Smaller slots save server memory and split pushes into chunks. Part of the layout:
+  // every rank must pass the same value.
   Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
-          double timeout_s, const std::string& listen_host);
+          double timeout_s, const std::string& listen_host, int64_t slot_elems = 0);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -87,6 +91,7 @@ class Runtime {
   int num_units() const { return static_cast<int>(numels_.size()); }
   int64_t numel(int unit) const;
   int64_t shard_size(int unit) const;
+  int64_t slot_elems() const { return slot_elems_; }
   uint64_t layout_hash() const { return layout_hash_; }
   const std::string& shm_name() const { return shm_name_; }
   int port() const { return port_; }
@@ -117,6 +122,10 @@ class Runtime {
               Route route = Route::kAll);
   void scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type,
                           int64_t grad_numel, Route route = Route::kAll);
+  // The same for elements [offset, offset + n) of the flat unit only (e.g. one parameter of it):
+  // `grad` holds those n elements. Host owners only (the CUDA handlers push whole units).
+  void scatter_accumulate_range(int unit, int64_t version, int64_t offset, const void* grad, ElemType type,
+                                int64_t n);
   // [lo, lo + n) of the flat unit that `owner` holds (n may be 0 for trailing owners).
   void piece(int unit, int owner, int64_t* lo, int64_t* n) const;
   // True when the CUDA handlers reach `owner` through device memory (self, a cuda_ipc or an nvshmem
@@ -173,7 +182,10 @@ class Runtime {
   void daemon_loop();
   bool drain_slots();
   bool accept_push(int unit, int64_t version, int client);
-  void accumulate(int unit, int64_t version, int client, const float* data, int64_t count);
+  void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
+  // One owner's part of a push: `count` elements of its shard from `offset` on.
+  void push_to_owner(Peer& p, int unit, int64_t version, int64_t offset, const char* src, ElemType type,
+                     int64_t count, std::vector<float>& staging);
   // CUDA IPC internals (cuda_ipc.cu; the no-CUDA build defines them in runtime.cc).
   void dev_open_peer(Peer& peer);
   void dev_publish(int unit, const float* shard);
@@ -202,6 +214,7 @@ class Runtime {
   std::string job_id_;
   std::vector<int64_t> numels_, shards_;
   int64_t max_shard_ = 0;
+  int64_t slot_elems_ = 0;  // capacity of one receive slot (fp32 elements)
   double timeout_s_;
   uint64_t layout_hash_ = 0;
 

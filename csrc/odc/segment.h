@@ -47,6 +47,7 @@ struct alignas(64) SlotHeader {
   // The client's pid while it maps this owner's device block (0 otherwise): the owner frees the
   // block only when no live client maps it any more.
   std::atomic<int32_t> mapper_pid;
+  int64_t offset;  // where in the owner's shard the slot's `count` elements go
 };
 
 struct alignas(64) ScalarEntry {
@@ -82,11 +83,14 @@ struct SegmentHeader {
   }
   float* slot_data(int client) { return reinterpret_cast<float*>(reinterpret_cast<char*>(slot(client)) + 64); }
   // Hands client's filled receive slot to this owner's daemon; the data must already be in place.
-  void raise_slot(int client, int unit_index, int64_t version, int64_t count, int32_t where) {
+  // `offset`: the first element of the owner's shard the data adds to (host slots may carry a
+  // chunk of a push; device slots always hold a whole shard piece).
+  void raise_slot(int client, int unit_index, int64_t version, int64_t count, int32_t where, int64_t offset = 0) {
     SlotHeader* s = slot(client);
     s->unit = unit_index;
     s->version = version;
     s->count = count;
+    s->offset = offset;
     s->where = where;
     s->state.store(kSlotFull, std::memory_order_release);
     signal_event(&doorbell);

@@ -65,6 +65,7 @@ class PeerInfo:
     unit_sizes: tuple[int, ...]
     device_uuid: str = ""  # "" when the rank keeps its server memory on the host only
     nvshmem_error: str = "not tried"  # "" when the rank can use nvshmem (plugin loaded, device present)
+    slot_elems: int = 0  # receive-slot capacity (clients write in chunks of it)
 
 
 def nvshmem_usable(info: PeerInfo) -> bool:
@@ -101,6 +102,9 @@ def check_layouts(infos: Sequence[PeerInfo]) -> None:
     ref = infos[0].unit_sizes
     for info in infos[1:]:
         if info.unit_sizes == ref:
+            if info.slot_elems != infos[0].slot_elems:
+                raise LayoutMismatchError(f"rank {info.rank} has receive slots of {info.slot_elems} elements, "
+                                          f"rank 0 of {infos[0].slot_elems}: every rank must pass the same slot_elems")
             continue
         if len(info.unit_sizes) != len(ref):
             raise LayoutMismatchError(
@@ -184,12 +188,15 @@ class Runtime:
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
-                 listen_host: str | None = None, device: int | str | None = "auto"):
+                 listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0):
+        # slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller
+        # slots save server memory, pushes then travel in chunks. Every rank must pass the same.
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
         ordinal = resolve_device(device, rank)
-        self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host)
+        self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host,
+                                     int(slot_elems))
         try:
             if ordinal is not None:
                 # Before the peer exchange: peers read the device block's IPC handle at connect.
@@ -198,7 +205,8 @@ class Runtime:
             advertised = socket.gethostname() if listen_host == "0.0.0.0" else listen_host
             nvshmem_error = "no device" if ordinal is None or world == 1 else load_nvshmem_plugin()
             me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
-                          self._native.shm_name, self.unit_sizes, self._native.device_uuid, nvshmem_error)
+                          self._native.shm_name, self.unit_sizes, self._native.device_uuid, nvshmem_error,
+                          self._native.slot_elems)
             if world > 1:
                 raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
                 infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
@@ -263,8 +271,18 @@ class Runtime:
         self._native.gather(unit, version, out)
         return out
 
-    def scatter_accumulate(self, unit: int, version: int, grad: np.ndarray) -> None:
-        self._native.scatter_accumulate(unit, version, np.ascontiguousarray(grad).reshape(-1))
+    def scatter_accumulate(self, unit: int, version: int, grad: np.ndarray, offset: int | None = None) -> None:
+        """Adds `grad` into the owners' accumulators: the whole flat unit, or with `offset` its
+        elements [offset, offset + grad.size) only."""
+        flat = np.ascontiguousarray(grad).reshape(-1)
+        if offset is None:
+            self._native.scatter_accumulate(unit, version, flat)
+        else:
+            self._native.scatter_accumulate_range(unit, version, int(offset), flat)
+
+    @property
+    def slot_elems(self) -> int:
+        return self._native.slot_elems
 
     def done(self, version: int) -> None:
         self._native.done(version)

@@ -98,8 +98,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 # --------------------------------------------------------------------------- shared trainer core
 
-# gather(local_shard [Kp/W] fp32, spec, ctx) -> full unit [Kp]; differentiable, its VJP delivers the
-# cotangent to the owners. ctx: per-call traced data the comm needs (ODC: the version), or None.
+# gather(local_shard [Kp/W] fp32, spec, ctx) -> full unit [Kp], or the unit cut into its flat leaves
+# (spec.leaf_pieces()); differentiable, its VJP delivers the cotangent to the owners. ctx: per-call
+# traced data the comm needs (ODC: the version), or None.
 GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
 
 
@@ -387,11 +388,12 @@ class OdcRuntime(abc.ABC):
     world: int
 
     @abc.abstractmethod
-    def gather(self, shard: jax.Array, spec: UnitSpec, version: jax.Array) -> jax.Array:
+    def gather(self, shard: jax.Array, spec: UnitSpec, version: jax.Array):
         """Traceable (inside jit): full unit [spec.padded] fp32 from every owner's shard of
-        `version`; a custom_vjp whose backward scatter-accumulates the cotangent at the owners and
-        returns zeros for `shard`. Expected: jaxodc.ops.odc_gather(shard, version,
-        unit=spec.index, numel=spec.padded, dtype=jnp.float32)."""
+        `version`, or the unit cut into its flat leaves (spec.leaf_pieces()); a custom_vjp whose
+        backward scatter-accumulates the cotangent at the owners and returns zeros for `shard`.
+        Expected: jaxodc.ops.odc_gather(shard, version, unit=spec.index, numel=spec.padded,
+        dtype=jnp.float32), or odc_gather_pieces."""
 
     @abc.abstractmethod
     def publish(self, unit: int, shard: np.ndarray, version: int) -> None:

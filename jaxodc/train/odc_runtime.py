@@ -7,27 +7,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc.odc import Runtime
-from jaxodc.ops import odc_gather
+from jaxodc.ops import odc_gather, odc_gather_pieces
 from jaxodc.train.collective import OdcRuntime
 from jaxodc.train.units import Layout
 
 
 class TrainerRuntime(OdcRuntime):
-    """Units are the layout's units in order; each is registered padded (K_pad = W * shard)."""
+    """Units are the layout's units in order; each is registered padded (K_pad = W * shard).
 
-    def __init__(self, runtime: Runtime, compute_dtype=jnp.float32):
+    `per_leaf` (default: on the CPU backend, where the range push exists): a unit's gradient is
+    pushed parameter by parameter (odc_gather_pieces), never concatenated into one unit-sized
+    buffer, which saves a unit of peak memory per microbatch."""
+
+    def __init__(self, runtime: Runtime, compute_dtype=jnp.float32, per_leaf: bool | None = None):
         self.runtime = runtime
         self.rank, self.world = runtime.rank, runtime.world
         self.compute_dtype = compute_dtype
+        self.per_leaf = jax.default_backend() == "cpu" if per_leaf is None else bool(per_leaf)
 
     @classmethod
-    def create(cls, layout: Layout, ctx, **kwargs) -> "TrainerRuntime":
-        """Builds the native runtime for `layout` from a jaxodc.dist.Context."""
-        return cls(Runtime.create([u.padded for u in layout.units], ctx, **kwargs))
+    def create(cls, layout: Layout, ctx, compute_dtype=jnp.float32, per_leaf: bool | None = None,
+               **kwargs) -> "TrainerRuntime":
+        """Builds the native runtime for `layout` from a jaxodc.dist.Context (kwargs: Runtime's)."""
+        return cls(Runtime.create([u.padded for u in layout.units], ctx, **kwargs), compute_dtype, per_leaf)
 
-    def gather(self, shard: jax.Array, spec, version: jax.Array) -> jax.Array:
-        full = odc_gather(shard, version, unit=spec.index, numel=spec.padded, dtype=self.compute_dtype)
-        return full.astype(jnp.float32) if full.dtype != jnp.float32 else full
+    def gather(self, shard: jax.Array, spec, version: jax.Array):
+        f32 = lambda x: x.astype(jnp.float32) if x.dtype != jnp.float32 else x  # noqa: E731
+        if self.per_leaf:
+            return tuple(f32(x) for x in odc_gather_pieces(shard, version, unit=spec.index, numel=spec.padded,
+                                                           pieces=spec.leaf_pieces(), dtype=self.compute_dtype))
+        return f32(odc_gather(shard, version, unit=spec.index, numel=spec.padded, dtype=self.compute_dtype))
 
     def publish(self, unit: int, shard: np.ndarray, version: int) -> None:
         self.runtime.publish(unit, shard, version)

@@ -62,6 +62,15 @@ class UnitSpec:
             raise ValueError(f"unit {self.name!r}: rank {rank} outside world of {self.world}")
         return rank * self.shard, (rank + 1) * self.shard
 
+    def leaf_pieces(self) -> tuple[tuple[int, int], ...]:
+        """(offset, size) of every leaf in the flat unit, in leaf order."""
+        out, o = [], 0
+        for shp in self.shapes:
+            n = math.prod(shp)
+            out.append((o, n))
+            o += n
+        return tuple(out)
+
     def describe(self) -> dict:
         return {"name": self.name, "index": self.index, "numel": self.numel, "padded": self.padded,
                 "leaves": [[p, list(s), d] for p, s, d in zip(self.paths, self.shapes, self.dtypes)]}
@@ -134,8 +143,15 @@ def flatten_unit(spec: UnitSpec, tree) -> jax.Array:
     return jnp.pad(flat, (0, spec.padded - spec.numel))
 
 
-def unflatten_unit(spec: UnitSpec, flat: jax.Array, dtype=None) -> Any:
-    """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own)."""
+def unflatten_unit(spec: UnitSpec, flat, dtype=None) -> Any:
+    """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own). `flat`
+    may also be the unit already cut at `spec.leaf_pieces()` (a tuple of flat leaves)."""
+    if isinstance(flat, (tuple, list)):
+        sizes = tuple(n for _, n in spec.leaf_pieces())
+        if tuple(int(np.size(x)) for x in flat) != sizes:
+            raise ValueError(f"unit {spec.name!r}: pieces of sizes {[int(np.size(x)) for x in flat]}, expected {list(sizes)}")
+        return jax.tree_util.tree_unflatten(
+            spec.treedef, [x.reshape(shp).astype(dtype or dt) for x, shp, dt in zip(flat, spec.shapes, spec.dtypes)])
     if flat.shape not in ((spec.numel,), (spec.padded,)):
         raise ValueError(f"unit {spec.name!r}: flat shape {flat.shape}, expected ({spec.numel},) or ({spec.padded},)")
     out, o = [], 0
