@@ -227,7 +227,7 @@ def test_rank_racing_ahead_reads_new_version(transport):
 
 # -- jax.grad through odc_gather ---------------------------------------------------------------------
 
-def grad_body(ctx):
+def grad_body(ctx, pieces):
     import jax.numpy as jnp
     sizes = [45, 27]
     rt = make_runtime(ctx, sizes=sizes)
@@ -239,34 +239,19 @@ def grad_body(ctx):
         rt.publish(u, shard, 0)
     shards = [jnp.asarray(rt.read_shard(u)) for u in range(2)]
 
-    check_grad_reaches_owners(ctx, rt, shards, full, 0)
+    check_grad_reaches_owners(ctx, rt, shards, full, 0, pieces=pieces)
     rt.close()
     return True
 
 
 def test_grad_through_gather_reaches_owners():
-    assert run_ranks(grad_body, 2, timeout_s=90) == [True, True]
-
-
-def grad_pieces_body(ctx):
-    import jax.numpy as jnp
-    sizes = [45, 27]
-    rt = make_runtime(ctx, sizes=sizes)
-    full = [unit_values(u, n, 0) for u, n in enumerate(sizes)]
-    for u in range(2):
-        lo, hi = rt.shard_range(u)
-        shard = np.zeros(rt.shard_size(u), np.float32)
-        shard[: hi - lo] = full[u][lo:hi]
-        rt.publish(u, shard, 0)
-    check_grad_reaches_owners(ctx, rt, [jnp.asarray(rt.read_shard(u)) for u in range(2)], full, 0, pieces=True)
-    rt.close()
-    return True
+    assert run_ranks(grad_body, 2, args=(False,), timeout_s=90) == [True, True]
 
 
 def test_grad_through_gathered_pieces_reaches_owners():
     """odc_gather_pieces: each piece's cotangent pushed on its own (range pushes; a piece spans
     both owners of unit 0) sums at the owners like the whole unit's."""
-    assert run_ranks(grad_pieces_body, 3, timeout_s=90) == [True, True, True]
+    assert run_ranks(grad_body, 3, args=(True,), timeout_s=90) == [True, True, True]
 
 
 def range_body(ctx, transport, slot_elems, seed):

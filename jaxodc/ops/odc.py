@@ -90,6 +90,20 @@ def _gather_pieces_bwd(unit, numel, pieces, dtype, residuals, cotangents):
 _gather_pieces.defvjp(_gather_pieces_fwd, _gather_pieces_bwd)
 
 
+def _checked_version(op: str, unit: int, local_shard, version, dtype) -> jax.Array:
+    """Validates a gather's arguments (naming op and unit); the version as an int32 scalar."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"{op}: unit {unit}: dtype must be float32 or bfloat16, got {dtype}")
+    if local_shard.dtype != jnp.float32 or local_shard.ndim != 1:
+        raise TypeError(f"{op}: unit {unit}: local shard must be a 1-D float32 array, got "
+                        f"{local_shard.dtype}{list(local_shard.shape)}")
+    _reject_vmap(op, unit, local_shard, version)
+    version = jnp.asarray(version, dtype=jnp.int32)
+    if version.ndim != 0:
+        raise TypeError(f"{op}: unit {unit}: version must be a scalar")
+    return version
+
+
 def odc_gather(local_shard: jax.Array, version, *, unit: int, numel: int, dtype=jnp.float32) -> jax.Array:
     """Full flat unit `unit` (numel elements, `dtype`) at parameter version >= `version`.
 
@@ -97,15 +111,7 @@ def odc_gather(local_shard: jax.Array, version, *, unit: int, numel: int, dtype=
     is zero locally because the unit's gradient is pushed to every owner in the backward pass).
     version: int32 scalar (a traced value, so the jitted step does not recompile per minibatch).
     """
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"odc_gather: unit {unit}: dtype must be float32 or bfloat16, got {dtype}")
-    if local_shard.dtype != jnp.float32 or local_shard.ndim != 1:
-        raise TypeError(f"odc_gather: unit {unit}: local shard must be a 1-D float32 array, got "
-                        f"{local_shard.dtype}{list(local_shard.shape)}")
-    _reject_vmap("odc_gather", unit, local_shard, version)
-    version = jnp.asarray(version, dtype=jnp.int32)
-    if version.ndim != 0:
-        raise TypeError(f"odc_gather: unit {unit}: version must be a scalar")
+    version = _checked_version("odc_gather", unit, local_shard, version, dtype)
     return _gather(local_shard, version, int(unit), int(numel), jnp.dtype(dtype))
 
 
@@ -120,13 +126,7 @@ def odc_gather_pieces(local_shard: jax.Array, version, *, unit: int, numel: int,
     for o, n in pieces:
         if o < 0 or n < 0 or o + n > numel:
             raise ValueError(f"odc_gather_pieces: unit {unit}: piece [{o}, {o + n}) outside its {numel} elements")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"odc_gather_pieces: unit {unit}: dtype must be float32 or bfloat16, got {dtype}")
-    if local_shard.dtype != jnp.float32 or local_shard.ndim != 1:
-        raise TypeError(f"odc_gather_pieces: unit {unit}: local shard must be a 1-D float32 array, got "
-                        f"{local_shard.dtype}{list(local_shard.shape)}")
-    _reject_vmap("odc_gather_pieces", unit, local_shard, version)
-    version = jnp.asarray(version, dtype=jnp.int32)
+    version = _checked_version("odc_gather_pieces", unit, local_shard, version, dtype)
     return _gather_pieces(local_shard, version, int(unit), int(numel), pieces, jnp.dtype(dtype))
 
 
