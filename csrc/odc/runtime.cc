@@ -492,8 +492,6 @@ void Runtime::scatter_accumulate_range(int unit, int64_t version, int64_t offset
 void Runtime::push_to_owner(Peer& p, int unit, int64_t version, int64_t offset, const char* src, ElemType type,
                             int64_t count, std::vector<float>& staging) {
   const size_t esize = elem_size(type);
-  const std::string what = "pushing unit " + std::to_string(unit) + " version " + std::to_string(version) + " to " +
-                           p.name();
   if (p.transport == Transport::kSelf) {
     if (type == ElemType::kF32) {
       accumulate(unit, version, rank_, reinterpret_cast<const float*>(src), count, offset);
@@ -506,12 +504,13 @@ void Runtime::push_to_owner(Peer& p, int unit, int64_t version, int64_t offset, 
     // In slot-sized chunks (at least one message, so an empty piece still reaches its owner).
     SlotHeader* slot = p.seg->slot(rank_);
     float* data = p.seg->slot_data(rank_);
+    const std::string what = "waiting for its receive slot at " + p.name() + " (pushing unit " +
+                             std::to_string(unit) + " version " + std::to_string(version) + ")";
     int64_t sent = 0;
     do {
       const int64_t chunk = std::min(slot_elems_, count - sent);
       wait_for(
-          &p.seg->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; }, &p,
-          "waiting for its receive slot at " + p.name() + " (" + what + ")");
+          &p.seg->slot_seq, [&] { return slot->state.load(std::memory_order_acquire) == kSlotFree; }, &p, what);
       load_to_f32(data, src + sent * esize, type, chunk);
       p.seg->raise_slot(rank_, unit, version, chunk, kSlotHost, offset + sent);
       sent += chunk;

@@ -23,8 +23,8 @@ from the same lengths without talking to the others.
   never lengthens the minibatch (the thief was idle), and with an exact cost model nothing is
   stolen: LB-Steal is LB-Mini plus the correction of whatever the model mispredicted. Gradients
   accumulate at the owners, so which rank computes a microbatch does not change the result.
-  Each rank's samples are packed for stealing (`fill_microbatches`): the same number of
-  microbatches as LB-Mini's, filled costliest samples first so the last one holds the leftovers.
+  Each rank's samples are packed for stealing (`fill_microbatches`): at most as many
+  microbatches as LB-Mini's, filled longest samples first so the last one holds the leftovers.
   A minibatch ends with every rank's last microbatch in flight (nothing is left to steal), so
   the imbalance that stealing cannot remove is about the size of that last microbatch: small
   leftovers there, rather than LB-Mini's equal shares, make it small and give a thief cheap
@@ -191,9 +191,9 @@ def fill_microbatches(idx: Sequence[int], lengths: Sequence[int], cost: CostMode
                       max_tokens: int) -> list[tuple[int, ...]]:
     """Samples `idx` into microbatches for work stealing: first-fit decreasing (longest sample
     first into the first microbatch with room), so the first microbatches are full and the last
-    holds the leftovers. Uses as many microbatches as `fit_microbatches` (same per-microbatch
-    overhead); where first-fit needs more, returns `fit_microbatches`'s packing. Sorted costliest
-    first, so a rank runs the leftovers last and thieves take them first."""
+    holds the leftovers. Uses at most as many microbatches as `fit_microbatches` (no more
+    per-microbatch overhead); where first-fit needs more, returns `fit_microbatches`'s packing.
+    Sorted costliest first, so a rank runs the leftovers last and thieves take them first."""
     balanced = fit_microbatches(idx, lengths, cost, max_tokens)
     bins: list[list[int]] = [[] for _ in balanced]
     room = [max_tokens] * len(balanced)
@@ -290,8 +290,8 @@ def lb_mini(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel
 
 def lb_steal(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None) -> Plan:
     """LB-Mini's partition with each rank's samples packed for stealing (`fill_microbatches`),
-    run with work stealing (`iter_steal`): as many microbatches per rank as LB-Mini, so stealing
-    adds no per-microbatch overhead."""
+    run with work stealing (`iter_steal`): at most as many microbatches per rank as LB-Mini, so
+    stealing adds no per-microbatch overhead."""
     cost = cost or CostModel()
     ls = _check_minibatch(lengths, world, max_tokens)
     ranks = [tuple(fill_microbatches(p, ls, cost, max_tokens)) if p else ()

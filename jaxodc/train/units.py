@@ -147,19 +147,16 @@ def unflatten_unit(spec: UnitSpec, flat, dtype=None) -> Any:
     """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own). `flat`
     may also be the unit already cut at `spec.leaf_pieces()` (a tuple of flat leaves)."""
     if isinstance(flat, (tuple, list)):
-        sizes = tuple(n for _, n in spec.leaf_pieces())
-        if tuple(int(np.size(x)) for x in flat) != sizes:
-            raise ValueError(f"unit {spec.name!r}: pieces of sizes {[int(np.size(x)) for x in flat]}, expected {list(sizes)}")
-        return jax.tree_util.tree_unflatten(
-            spec.treedef, [x.reshape(shp).astype(dtype or dt) for x, shp, dt in zip(flat, spec.shapes, spec.dtypes)])
-    if flat.shape not in ((spec.numel,), (spec.padded,)):
+        sizes = [n for _, n in spec.leaf_pieces()]
+        if [int(np.size(x)) for x in flat] != sizes:
+            raise ValueError(f"unit {spec.name!r}: pieces of sizes {[int(np.size(x)) for x in flat]}, expected {sizes}")
+        pieces = flat
+    elif flat.shape not in ((spec.numel,), (spec.padded,)):
         raise ValueError(f"unit {spec.name!r}: flat shape {flat.shape}, expected ({spec.numel},) or ({spec.padded},)")
-    out, o = [], 0
-    for shp, dt in zip(spec.shapes, spec.dtypes):
-        n = math.prod(shp)
-        out.append(flat[o:o + n].reshape(shp).astype(dtype or dt))
-        o += n
-    return jax.tree_util.tree_unflatten(spec.treedef, out)
+    else:
+        pieces = [flat[o:o + n] for o, n in spec.leaf_pieces()]
+    return jax.tree_util.tree_unflatten(
+        spec.treedef, [x.reshape(shp).astype(dtype or dt) for x, shp, dt in zip(pieces, spec.shapes, spec.dtypes)])
 
 
 def shard_params(layout: Layout, params: Mapping[str, Any], rank: int) -> dict[str, np.ndarray]:
