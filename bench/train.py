@@ -328,6 +328,7 @@ def train_worker(args) -> None:
                 ctx.barrier("bench/minibatch")
                 res = tr.train_plan(plan, sub, min_bucket=buckets)
                 mine = [i for m in res.ran for i in m]
+                own = set(plan.ranks[rank])
                 opt_s = res.opt[1] - res.opt[0]
                 busy = busy_collective(res, plan, t_coll) if comm == "collective" else busy_odc(res, plan)
                 records.append({
@@ -335,7 +336,7 @@ def train_worker(args) -> None:
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
                     "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
                     "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s,
-                    "cpu": res.cpu})
+                    "cpu": res.cpu, "stolen": sum(1 for m in res.ran if m and m not in own)})
     rt.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
@@ -398,6 +399,7 @@ def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
             bub_est.append(est)
         per_rep[(comm, balance, mb)] = sps
         allrecs = [r for recs in reps.values() for r in recs]
+        steps = {(r["rep"], r["k"]) for r in allrecs}
         last = max(allrecs, key=lambda r: (r["rep"], r["k"]))
         v = list(sps.values())
         out.append({
@@ -407,8 +409,12 @@ def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
             "samples_per_s_min": min(v), "samples_per_s_max": max(v),
             "bubble_intervals": statistics.median(bub_meas), "bubble_model": statistics.median(bub_est),
             "bubble_source": "cpu time",
-            "reps": len(v), "steps": len({(r["rep"], r["k"]) for r in allrecs}),
-            "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len({(r["rep"], r["k"]) for r in allrecs})),
+            "reps": len(v), "steps": len(steps),
+            # the whole run's samples over its time: every minibatch weighted by its length
+            "samples_per_s_pooled": sum(r["samples"] for r in allrecs) / sum(_busy_span(g) for g in reps.values()),
+            "steals": sum(r.get("stolen", 0) for r in allrecs),
+            "minibatches_with_steals": len({(r["rep"], r["k"]) for r in allrecs if r.get("stolen", 0)}),
+            "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len(steps)),
             "loss": last["loss"],
         })
     order = {c: i for i, c in enumerate(COMBOS)}
@@ -441,8 +447,13 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
     for mb in mbs:
         p = _paired(per_rep, steal, mini, mb)
         if p:
+            s, m = cell[(*steal, mb)], cell[(*mini, mb)]
+            # Context for a ratio near 1: how often a steal changed the schedule at all (the
+            # other minibatches run LB-Mini's partition), and the whole run's ratio.
             out.append({"bar": "odc+lb_steal / odc+lb_mini samples/s", "minibatch": mb, "value": p[0],
-                        "range": [p[1], p[2]], "threshold": 1.0, "pass": p[0] >= 1.0})
+                        "range": [p[1], p[2]], "threshold": 1.0, "pass": p[0] >= 1.0,
+                        "pooled": s["samples_per_s_pooled"] / m["samples_per_s_pooled"],
+                        "minibatches_with_steals": s["minibatches_with_steals"], "minibatches": s["steps"]})
     for mb in mbs:
         if mb < 4:
             continue
@@ -477,6 +488,9 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
         rng = f" (per-rep {b['range'][0]:.2f}..{b['range'][1]:.2f})" if "range" in b else ""
         extra = (f" [odc {b['odc_bubble']:.1%}, collective {b['collective_bubble']:.1%}]"
                  if "odc_bubble" in b else "")
+        if "pooled" in b:
+            extra += (f" [whole run {b['pooled']:.3f}; steals in {b['minibatches_with_steals']} of "
+                      f"{b['minibatches']} minibatches]")
         verdict = "" if b["pass"] is None else (" PASS" if b["pass"] else " FAIL")
         thr = "" if b["threshold"] is None else (f" (bar {'<=' if 'bubble' in b['bar'] else '>='} {b['threshold']})")
         print(f"minibatch {b['minibatch']}: {b['bar']} = {b['value']:.3f}{rng}{extra}{thr}{verdict}")
@@ -721,10 +735,9 @@ def memory_worker(args) -> None:
         opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
         if tr._masters is not None:
             # The shards are the runtime's masters and the gradients its accumulators (both in
-            # `outside`); XLA cannot donate memory it does not own, so the new shards are a fresh
-            # output, which the shard arguments' bytes stand for in the optimizer phase.
+            # `outside`); the optimizer step outputs the updates, added into the masters in place.
             mb_phase -= _local_nbytes(tr.shards)
-            opt_phase -= _local_nbytes(grads)
+            opt_phase -= _local_nbytes(tr.shards) + _local_nbytes(grads)
     peak_xla = max(mb_phase, opt_phase)
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,

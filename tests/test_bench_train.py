@@ -47,10 +47,10 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
 
 
-def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10):
+def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10, stolen=0):
     return {"comm": comm, "balance": balance, "minibatch": 1, "rep": rep, "k": k, "rank": rank, "t_start": t0,
             "t_end": t1, "compute": compute, "opt": [t1, t1], "samples": samples, "tokens": tokens, "loss": 1.0,
-            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu}
+            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu, "stolen": stolen}
 
 
 def test_summarize_arithmetic():
@@ -65,7 +65,7 @@ def test_summarize_arithmetic():
                              cpu * scale, est * scale))
         recs.append(_rec("odc", "lb_mini", rep, 0, 0, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + 2.0 * scale]], 2.0 * scale))
         recs.append(_rec("odc", "lb_mini", rep, 0, 1, 10.0, 10.0 + 2.0 * scale, [[10.0, 10.0 + scale]], scale))
-        recs.append(_rec("odc", "lb_steal", rep, 0, 0, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], scale))
+        recs.append(_rec("odc", "lb_steal", rep, 0, 0, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], scale, stolen=rep))
         recs.append(_rec("odc", "lb_steal", rep, 0, 1, 20.0, 20.0 + 1.0 * scale, [[20.0, 21.0]], scale))
     rows, bars = summarize({"records": recs})
     cell = {(r["comm"], r["balance"]): r for r in rows}
@@ -81,6 +81,10 @@ def test_summarize_arithmetic():
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["value"] == pytest.approx(2.0)
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["value"] == pytest.approx(2.0)
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pass"] is True
+    # the whole run: 4 samples in 1 + 2 s against 2 + 4 s; a steal in repetition 1 only
+    assert steal["samples_per_s_pooled"] == pytest.approx(4 / 3) and mini["samples_per_s_pooled"] == pytest.approx(4 / 6)
+    assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pooled"] == pytest.approx(2.0)
+    assert (steal["steals"], steal["minibatches_with_steals"], mini["minibatches_with_steals"]) == (1, 1, 0)
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["pass"] is None  # bar only at minibatch 4
 
 

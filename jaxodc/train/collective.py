@@ -153,11 +153,17 @@ def microbatch_grad(model, layout: Layout, gather: GatherFn):
     return jax.value_and_grad(lambda s, b, n, c: sharded_loss(model, layout, gather, s, b, n, c))
 
 
+def optimizer_updates(optimizer: optax.GradientTransformation, shards, opt_state, grads,
+                      reduce_fn: Callable[[jax.Array], jax.Array]):
+    """(updates, new state) of the optimizer on local shards, `global_sum` bound to `reduce_fn`."""
+    with global_reduction(reduce_fn):
+        return optimizer.update(grads, opt_state, shards)
+
+
 def optimizer_step(optimizer: optax.GradientTransformation, shards, opt_state, grads,
                    reduce_fn: Callable[[jax.Array], jax.Array]):
-    """Run the optimizer on local shards with `global_sum` bound to `reduce_fn`."""
-    with global_reduction(reduce_fn):
-        upd, opt_state = optimizer.update(grads, opt_state, shards)
+    """(new shards, new state): `optimizer_updates` applied."""
+    upd, opt_state = optimizer_updates(optimizer, shards, opt_state, grads, reduce_fn)
     return optax.apply_updates(shards, upd), opt_state
 
 
@@ -480,15 +486,21 @@ class OdcTrainer:
                 return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
             return f
 
-        # Shards and state donated: otherwise old and new coexist. With the runtime's masters as
-        # the shards (below), XLA writes the new parameters straight into them.
-        self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
-                                 donate_argnums=(0, 1))
+        self._masters = self._master_views()
+        if self._masters is None:
+            # Shards and state donated: otherwise old and new coexist.
+            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
+                                     donate_argnums=(0, 1))
+        else:
+            # The shards are the runtime's masters, memory XLA does not own and cannot write: the
+            # step returns the updates, which _optimize adds into the masters in place, so the
+            # optimizer phase holds no second copy of the shards.
+            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_updates(optimizer, s, st, g, reduce_fn(v)),
+                                     donate_argnums=(1,))
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
         self._rt_base = 0
-        self._masters = self._master_views()
         self._publish(shards, 0)
 
     def _master_views(self) -> list[np.ndarray] | None:
@@ -502,7 +514,7 @@ class OdcTrainer:
 
     def _publish(self, shards: dict, version: int) -> None:
         """Make `shards` readable by gathers of runtime `version` and the trainer's current
-        shards. A shard XLA already wrote into the runtime's master is announced, not copied."""
+        shards. A shard already in the runtime's master (updated in place) is announced, not copied."""
         for u in self.layout.units:
             a = shards[u.name]
             if self._masters is not None and _aliases(a, self._masters[u.index]):
@@ -512,6 +524,19 @@ class OdcTrainer:
         if self._masters is not None:
             shards = {u.name: jax.device_put(self._masters[u.index]) for u in self.layout.units}
         self.shards = shards
+
+    def _optimize(self, grads: dict, ver: jax.Array) -> dict:
+        """The new shards. With the runtime's masters as shards they are the masters themselves,
+        updated in place (every rank's pushes of this version have landed, so no gather reads
+        them until the next version is announced)."""
+        out, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
+        jax.block_until_ready((out, self.opt_state))
+        if self._masters is None:
+            return out
+        for u in self.layout.units:  # optax.apply_updates, in place: shard + update, in fp32
+            master = self._masters[u.index]
+            np.add(master, np.asarray(out.pop(u.name)), out=master, casting="same_kind")
+        return self.shards
 
     def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
         step, v = self.version, self.version - self._rt_base  # v: runtime version
@@ -530,8 +555,7 @@ class OdcTrainer:
         t0 = time.perf_counter()
         # The gradients are read where they accumulated (no copy on the CPU backend) ...
         grads = {u.name: jax.device_put(self.rt.grad_view(u.index)) for u in self.layout.units}
-        shards, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
-        jax.block_until_ready((shards, self.opt_state))
+        shards = self._optimize(grads, ver)
         del grads
         # ... and cleared before the next version is announced: peers push into them right after.
         for u in self.layout.units:
