@@ -735,9 +735,10 @@ def memory_worker(args) -> None:
         opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
         if tr._masters is not None:
             # The shards are the runtime's masters and the gradients its accumulators (both in
-            # `outside`); the optimizer step outputs the updates, added into the masters in place.
+            # `outside`, whichever of them the step reads); the step outputs the updates, added
+            # into the masters in place.
             mb_phase -= _local_nbytes(tr.shards)
-            opt_phase -= _local_nbytes(tr.shards) + _local_nbytes(grads)
+            opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
     peak_xla = max(mb_phase, opt_phase)
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,
