@@ -732,8 +732,9 @@ def memory_worker(args) -> None:
         mb = _analysis(tr._mb_step, tr.shards, jb, jnp.float32(1.0), jnp.int32(tr.version))
         opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
         mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
-        opt_phase = outside + _step_peak(opt)             # args: shards, optimizer state, fetched gradients
-        if tr._masters is not None:
+        if tr._masters is None:
+            opt_phase = outside + _step_peak(opt)         # args: shards, optimizer state, fetched gradients
+        else:
             # The shards are the runtime's masters and the gradients its accumulators (both in
             # `outside`, whichever of them the step reads); the step outputs the updates, added
             # into the masters in place.
