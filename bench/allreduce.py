@@ -16,21 +16,17 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
-RANK_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
+from jaxodc.launch.context import free_port
+from jaxodc.launch.launcher import RANK_ENV
+
 MB = 1 << 20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,7 +144,7 @@ def run_world(world: int, plan: dict, timeout_s: float) -> list[dict]:
     env.update(RANK_ENV)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(r), str(world), str(port)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for r in range(world)]

@@ -12,7 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import pin_one_core, print_table, write_records  # noqa: E402
+from jaxodc.bench.common import print_table, write_records  # noqa: E402
+from jaxodc.launch.launcher import pin_one_core  # noqa: E402
 
 # One core, set before jax is imported (XLA reads the flags and the affinity once).
 if "--no-pin" not in sys.argv:

@@ -20,7 +20,8 @@ import tempfile
 import msgpack
 import numpy as np
 
-from bench.common import launch_ranks, median_time, print_table, write_records
+from jaxodc.bench.common import median_time, print_table, write_records
+from jaxodc.launch.launcher import launch_ranks
 
 MB = 1 << 20
 
@@ -34,7 +35,7 @@ def worker(sizes_mb: list[int], out_path: str, gpu: bool = False) -> None:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.launch.context import init_from_env, init_jax_distributed, shutdown
     from jaxodc.odc import Runtime
     from jaxodc.ops import odc_gather, odc_gather_into, odc_scatter_accumulate
 
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.ranks.split(",")):
             out = os.path.join(tmp, f"w{world}.json")
-            launch_ranks(world, "bench.primitives",
+            launch_ranks(world, "jaxodc.bench.primitives",
                          ["--worker", "--sizes-mb", args.sizes_mb, "--out", out] + (["--gpu"] if args.gpu else []),
                          timeout_s=1800,
                          env=GPU_ENV if args.gpu else None)

@@ -3,72 +3,7 @@
     python -m jaxodc bench train --json bench/out/train.json [--timeline bench/out/train_timeline.png]
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
 
-Throughput mode. The same model (models/lm.py) and data (stdlib text, long-tailed `--preset`
-lengths) for six combinations -- collective+local_sort, collective+lb_micro, odc+local_sort,
-odc+lb_micro, odc+lb_mini, odc+lb_steal -- at minibatch sizes 1, 2, 4, 8 samples per rank, all on
-the same `--ranks` processes (one compute thread each): each rank builds a CollectiveTrainer and an
-OdcTrainer side by side. One JSON record per (combo, minibatch):
-{"kind": "train", "comm", "balance", "minibatch", "ranks", "samples_per_s", "bubble_rate", ...}.
-
-How the measurement is kept robust on a small shared machine:
-- Microbatches are packed into bucketed row lengths (multiples of `--min-bucket`; packing.bucket), so compute
-  follows content, and every bucket shape of both trainers is compiled before anything is timed.
-- Interleaving: a repetition draws fresh minibatches for each minibatch size (at least
-  `--block-samples` samples per rank: minibatch 1 -> 4 minibatches, 2 -> 2, 4 and 8 -> 1 by
-  default) and runs every minibatch on all six combos back to back (the starting combo rotates),
-  each after a barrier, so a load burst on the machine hits the combos of a minibatch alike.
-  samples/s of a combo in a repetition = its samples / the sum of its minibatches' spans (first
-  rank's start to last rank's end: both trainers end a minibatch with a cross-rank exchange, so
-  minibatches do not overlap and the barriers cost nothing). Ratios are taken per repetition
-  (paired) and the median over `--reps` repetitions is reported; so are the medians of each.
-- Bubble rate = idle / (W x span) per minibatch (jaxodc.train.metrics), measured the same way for
-  every combo: busy = the CPU time of the rank's process during the minibatch (StepResult.cpu:
-  compute, the ODC daemon's accumulation, the transports' copies and reductions), idle = the
-  rest of the span, when the rank sat blocked -- in a gloo collective waiting for its peer, in
-  an ODC wait for a publication or for the last pushes. Each rank has a core of its own, so CPU
-  time is its work. Two more figures per combo, which bracket it:
-  `bubble_intervals`: busy = the microbatch and optimizer intervals (for ODC this agrees with
-  the CPU figure; for the collective it counts waiting inside the collectives as busy, a lower
-  bound) and `bubble_model`: busy from the cost model (collective: of each lock-step step's
-  measured interval, the share t(own bucket) + a*own attention work over the slowest rank's, with
-  t the lock-step step time per bucket re-timed every repetition -- blind to the ranks' momentary
-  speed differences, which make a lock-step rank wait at every collective; ODC: its microbatches
-  priced by the ODC model).
-- Each trainer plans with its own cost model a*sum(s^2) + b*tokens + c per microbatch, fitted in
-  seconds (cost.fit) to its warm-up step times, averaged over ranks so every rank plans alike:
-  ODC's from rows with and without content, timed with all ranks past compilation (a barrier);
-  the collective's lock-step rows carry no content, so it takes ODC's attention coefficient a.
-- Each rank runs on one core of its own (bench.common.pin_one_core): XLA sizes its thread pool
-  from the affinity, so unpinned ranks spread over both cores and disturb each other.
-
-Memory mode (`--memory`): for a model whose parameters + Adam state take S bytes, the peak
-per-rank memory of both trainers at W = `--memory-ranks`, against the bound S/W + 3 x the largest
-unit + activations. Two figures per trainer and W:
-- `peak_rss`: measured. The bytes of every live jax array of the process (jax.live_arrays) plus
-  the ODC runtime's native memory (its shared segment: masters and receive slots; its private
-  accumulators), taken after a first training minibatch, plus the transient: the peak of the
-  process's private resident memory over the next minibatches (VmHWM, reset at their start,
-  less shared file / shm pages) over its level at their start. Ranks run with glibc's mmap
-  threshold pinned low, so freed large buffers go back to the OS and RSS follows live memory.
-  What the process held besides (libraries, compiled code, compiler heap: `process_overhead`)
-  does not scale with the model and is reported, not counted.
-- `peak_xla`: accounted. Live state (parameter shards, optimizer state, the ODC runtime's native
-  masters, accumulators and receive slots) plus, per phase, what XLA's memory_analysis() of the
-  compiled microbatch / optimizer step adds (non-persistent arguments, temporaries, outputs not
-  aliased to donated inputs).
-`unsharded_peak`: the same accounting for plain single-process training (reference.py), for
-comparison. `activations` is measured independently: the temp size of the same remat'd
-microbatch program on one process with identity gathers (W = 1, no communication) at the
-benchmark's row length, less the same program's temp size at row length 1 (what does not scale
-with tokens: parameter-sized buffers).
-
-Reading the figures. The LM's attention is variable-length (jaxodc.ops.segment_attention: a row's
-attention work follows its samples, a * sum(s^2)), its linear layers follow the bucketed row
-length, so lock-step collective steps lose time when ranks' rows differ in either. On 2 ranks with
-a few microbatches each, what ODC saves is mostly the collective step's own cost -- per unit and
-microbatch an all_gather, a re-gather in the backward pass and a psum_scatter over gloo, in
-lock-step -- which shows at minibatch 1, where every balancer gives the same plan; minibatch-level
-balancing pays off with more ranks and microbatches (see `jaxodc simulate`).
+Methodology (interleaving, bubble accounting, memory accounting): bench/README.md.
 """
 from __future__ import annotations
 
@@ -85,7 +20,8 @@ import time
 
 import numpy as np
 
-from bench.common import launch_ranks, pin_one_core, print_table, write_records
+from jaxodc.bench.common import print_table, write_records
+from jaxodc.launch.launcher import launch_ranks, pin_one_core
 
 COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "local_sort"),
           ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
@@ -140,13 +76,13 @@ def bucket_policy(max_tokens: int, min_bucket: int):
 
 def row_buckets(max_tokens: int, min_bucket) -> list[int]:
     """Every row length packing.bucket can return for these settings."""
-    from jaxodc.train.packing import bucket
+    from jaxodc.balance.packing import bucket
     return sorted({bucket(t, max_tokens, min_bucket) for t in range(1, max_tokens + 1)})
 
 
 def _optimizer(lr):
     import optax
-    from jaxodc.train.collective import clip_by_global_norm
+    from jaxodc.optim.clipping import clip_by_global_norm
     return optax.chain(clip_by_global_norm(1.0), optax.adam(lr))
 
 
@@ -158,7 +94,7 @@ def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
     Every rank must call it with the same arguments."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.packing import pack
+    from jaxodc.balance.packing import pack
     out = {}
     for T in rows:
         batch = {k: trainer._global(v) for k, v in pack([], int(T)).as_dict().items()}
@@ -182,7 +118,7 @@ def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[
     ranks) runs between compiling and timing, so no rank times while a peer compiles."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.packing import pack
+    from jaxodc.balance.packing import pack
     v, rt = trainer.version, trainer.rt
     ntok, ver = jnp.float32(1.0), jnp.int32(v)
     pad, full = {}, {}
@@ -211,7 +147,7 @@ def fit_cost(pads: list[dict[int, float]], fulls: list[dict[int, float]] | None 
     """CostModel (seconds, cost.fit: a per s^2, b per row token, c per microbatch) of the mean
     over ranks of per-row-length step times: `pads` time all-padding rows (no attention work),
     `fulls` rows holding one sample of the row's length. Without `fulls`, a = 0."""
-    from jaxodc.train.cost import fit
+    from jaxodc.balance.cost import fit
     rows = sorted(pads[0])
     sq, tok, sec = [], [], []
     for tables, attn in ((pads, False), (fulls or [], True)):
@@ -222,7 +158,7 @@ def fit_cost(pads: list[dict[int, float]], fulls: list[dict[int, float]] | None 
             tok.append(float(T))
             sec.append(float(np.mean([t[T] for t in tables])))
     if len(sec) < 2:  # one bucket, no content timing: a linear model through its time
-        from jaxodc.train.cost import CostModel
+        from jaxodc.balance.cost import CostModel
         return CostModel(0.0, sec[0] / tok[0])
     return fit(sq, tok, sec)
 
@@ -245,14 +181,15 @@ def train_worker(args) -> None:
     import jax
     import msgpack
 
-    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
-    from jaxodc.train.balance import make_plan
-    from jaxodc.train.collective import CollectiveTrainer, OdcTrainer
-    from jaxodc.train.data import synthetic_text
-    from jaxodc.train.odc_runtime import TrainerRuntime
-    from jaxodc.train.packing import bucket
+    from jaxodc.launch.context import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.balance.plan import make_plan
+    from jaxodc.train.collective import CollectiveTrainer
+    from jaxodc.train.odc import OdcTrainer
+    from jaxodc.data import synthetic_text
+    from jaxodc.odc import Runtime
+    from jaxodc.balance.packing import bucket
     from jaxodc.train.units import make_layout
-    from models.lm import LM, LMConfig
+    from jaxodc.models.lm import LM, LMConfig
 
     ctx = init_from_env()
     init_jax_distributed(ctx)
@@ -265,7 +202,7 @@ def train_worker(args) -> None:
     rows = row_buckets(args.max_tokens, buckets)
 
     coll = CollectiveTrainer(model, _optimizer(args.lr), params)
-    rt = TrainerRuntime.create(make_layout(params, W, order=model.unit_names), ctx)
+    rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx)
     odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
     del params
     coll.warmup(rows)
@@ -379,7 +316,7 @@ def _busy_span(recs: list[dict]) -> float:
 
 def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
     """(one record per (combo, minibatch), bar lines) from the ranks' raw minibatch records."""
-    from jaxodc.train.metrics import bubble_rate
+    from jaxodc.train.metrics import records_bubble_rate as bubble_rate
     W = len({r["rank"] for r in raw["records"]})
     cells: dict = {}
     for r in raw["records"]:
@@ -497,7 +434,7 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
 
 
 def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
-    from jaxodc.train.timeline import draw
+    from jaxodc.cli.timeline import draw
     recs = raw["records"]
     mbs = sorted({r["minibatch"] for r in recs})
     mb = mb if mb in mbs else mbs[-1]
@@ -517,7 +454,7 @@ def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{mode}_w{world}.json")
         argv = ["--worker", mode, "--out", out] + extra
-        launch_ranks(world, "bench.train", argv, timeout_s=args.timeout)
+        launch_ranks(world, "jaxodc.bench.train", argv, timeout_s=args.timeout)
         with open(out) as f:
             return json.load(f)
 
@@ -618,8 +555,8 @@ def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
     which do not scale with tokens)."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.collective import microbatch_grad
-    from jaxodc.train.packing import pack
+    from jaxodc.train.core import microbatch_grad
+    from jaxodc.balance.packing import pack
     from jaxodc.train.units import make_layout
     layout = make_layout(params_shape, 1, order=model.unit_names)
     shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
@@ -636,7 +573,7 @@ def unsharded_peak(model, params_shape, optimizer, tokens: int) -> int:
     gradient step's arguments (parameters, batch), temp buffer and outputs (loss, gradients)."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.packing import pack
+    from jaxodc.balance.packing import pack
     f = jax.jit(jax.value_and_grad(lambda p, b, n: model.loss_sum(p, b) / n))
     ma = _analysis(f, params_shape, pack([], tokens).as_dict(), jnp.float32(1.0))
     return _nbytes(jax.eval_shape(optimizer.init, params_shape)) + _step_peak(ma)
@@ -647,14 +584,15 @@ def memory_worker(args) -> None:
     import jax.numpy as jnp
     import msgpack
 
-    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
-    from jaxodc.train.balance import Plan
-    from jaxodc.train.collective import CollectiveTrainer, OdcTrainer
-    from jaxodc.train.data import synthetic_text
-    from jaxodc.train.odc_runtime import TrainerRuntime
-    from jaxodc.train.packing import pack
+    from jaxodc.launch.context import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.balance.plan import Plan
+    from jaxodc.train.collective import CollectiveTrainer
+    from jaxodc.train.odc import OdcTrainer
+    from jaxodc.data import synthetic_text
+    from jaxodc.odc import Runtime
+    from jaxodc.balance.packing import pack
     from jaxodc.train.units import make_layout
-    from models.lm import LM, LMConfig
+    from jaxodc.models.lm import LM, LMConfig
 
     ctx = init_from_env()
     init_jax_distributed(ctx)
@@ -675,7 +613,7 @@ def memory_worker(args) -> None:
     if comm == "collective":
         tr = CollectiveTrainer(model, optimizer, params)
     else:
-        rt = TrainerRuntime.create(layout, ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
+        rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
         tr = OdcTrainer(model, optimizer, params, rt)
     del params
     gc.collect()
@@ -694,10 +632,10 @@ def memory_worker(args) -> None:
     tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
     gc.collect()
     # Arrays that are the runtime's own masters (OdcTrainer on CPU) are counted once, as native.
-    masters = {rt.runtime.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
+    masters = {rt.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
     live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
                if not (masters and a.unsafe_buffer_pointer() in masters))
-    native_live = (rt.runtime.stats()["segment_bytes"] + rt.runtime.stats()["accum_bytes"]) if rt else 0
+    native_live = (rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else 0
     _reset_peak()
     before = _status()
     for step in range(1, args.memory_steps + 1):
@@ -709,7 +647,7 @@ def memory_worker(args) -> None:
     private_before = before["VmRSS"] - before["RssFile"] - before["RssShmem"]
     transient = max(after["VmHWM"] - shared - private_before, 0)
     peak_rss = live + native_live + transient
-    overhead = private_before - base["RssAnon"] - live - (rt.runtime.stats()["accum_bytes"] if rt else 0)
+    overhead = private_before - base["RssAnon"] - live - (rt.stats()["accum_bytes"] if rt else 0)
 
     # Accounted: live state + the larger of the two phases' XLA step peaks.
     batch = pack([data[0]], T).as_dict()
@@ -724,7 +662,7 @@ def memory_worker(args) -> None:
         mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
         opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
     else:
-        st = rt.runtime.stats()
+        st = rt.stats()
         native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
         outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
         jb = {k: jnp.asarray(v) for k, v in batch.items()}

@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m jaxodc demo "$@"
+exec "$ROOT/.venv/bin/python" -m jaxodc demo --out "$ROOT/bench/out" "$@"

@@ -8,7 +8,7 @@ bash scripts/setup_env.sh || { echo "TESTS FAILED: environment setup failed"; ex
 PY="$ROOT/.venv/bin/python"
 
 start=$(date +%s)
-"$PY" -m pytest tests --ignore=tests/gpu -m "not gpu" -q -p no:cacheprovider "$@"
+"$PY" -m pytest tests -m "not gpu" -q -p no:cacheprovider --durations=15 "$@"
 pytest_status=$?
 echo "pytest finished with status $pytest_status in $(( $(date +%s) - start )) s"
 

@@ -8,8 +8,8 @@ import pytest
 from jaxodc import _C
 from jaxodc.ops import segment_attention
 from jaxodc.ops.attention import ISAS, _segment_attention
-from jaxodc.train.packing import pack
-from models.lm import LM, LMConfig
+from jaxodc.balance.packing import pack
+from jaxodc.models.lm import LM, LMConfig
 
 AVAILABLE = [ISAS.index(name) + 1 for name in _C.attention_isas()]
 

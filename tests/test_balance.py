@@ -1,17 +1,31 @@
 import itertools
 import random
+from typing import Sequence
 
 import numpy as np
 import pytest
 
-from jaxodc.train.balance import (LocalDeques, Plan, fill_microbatches, fit_microbatches, greedy_partition,
+from local_deques import LocalDeques
+from jaxodc.balance.plan import (Plan, fill_microbatches, fit_microbatches,
                                   iter_steal, karmarkar_karp, lb_micro, lb_mini, lb_steal, local_sort, make_plan,
                                   refine_partition, spread)
-from jaxodc.train.cost import CostModel, calibrate, fit
-from jaxodc.train.data import sample_lengths
-from jaxodc.train.simulate import plan_times, simulate, steal_times
+from jaxodc.balance.cost import CostModel, calibrate, fit
+from jaxodc.data import sample_lengths
+from jaxodc.balance.simulate import plan_times, simulate, steal_times
 
 COST = CostModel(1.0, 256.0)
+
+
+def greedy_partition(costs: Sequence[float], k: int) -> list[list[int]]:
+    """Longest-processing-time greedy (costliest item to the least-loaded part); the comparison
+    baseline for `karmarkar_karp`."""
+    loads = [0.0] * k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
+        j = min(range(k), key=lambda j: (loads[j], j))
+        loads[j] += float(costs[i])
+        parts[j].append(i)
+    return [sorted(p) for p in parts]
 
 
 def brute_spread(c, k):

@@ -12,8 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MBS = (1, 2, 4, 8)
 
 
+@pytest.mark.slow
 def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
-    from bench.train import COMBOS
+    from jaxodc.bench.train import COMBOS
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",
@@ -54,7 +55,7 @@ def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, sample
 
 
 def test_summarize_arithmetic():
-    from bench.train import summarize
+    from jaxodc.bench.train import summarize
     recs = []
     for rep, scale in ((0, 1.0), (1, 2.0)):  # repetition 1 runs on a machine twice as slow
         # collective: both ranks' intervals cover the whole 4 s (lock-step); rank 1 used the CPU for
@@ -90,8 +91,8 @@ def test_summarize_arithmetic():
 
 def test_activation_bytes_scale_with_tokens():
     import jax
-    from bench.train import activation_bytes, row_buckets
-    from models.lm import LM, LMConfig
+    from jaxodc.bench.train import activation_bytes, row_buckets
+    from jaxodc.models.lm import LM, LMConfig
     model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
     shape = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     a64, a256 = activation_bytes(model, shape, 64), activation_bytes(model, shape, 256)

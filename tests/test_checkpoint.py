@@ -25,14 +25,14 @@ COUNTS = {"odc": [(1, 1), (2, 0), (0, 1), (1, 1)], "collective": [(1, 1)] * 4}
 
 def _model(sizes=SIZES):
     import jax
-    from models.mlp import MLP
+    from jaxodc.models.mlp import MLP
     model = MLP(sizes)
     return model, model.init(jax.random.PRNGKey(0))
 
 
 def _optimizer():
     import optax
-    from jaxodc.train.collective import clip_by_global_norm
+    from jaxodc.optim.clipping import clip_by_global_norm
     return optax.chain(clip_by_global_norm(0.5), optax.adam(1e-2))
 
 
@@ -44,11 +44,11 @@ def _microbatch(step, rank, j):
             "y": rng.integers(0, SIZES[-1], 4).astype(np.int32), "mask": mask}
 
 
-def _run(step_fn, state, comm, steps):
+def _run(state, comm, steps):
     for s in steps:
         counts = COUNTS[comm][s]
         ntok = sum(float(_microbatch(s, r, j)["mask"].sum()) for r in range(W) for j in range(counts[r]))
-        step_fn(state, [_microbatch(s, state.rank, j) for j in range(counts[state.rank])], ntok)
+        state.train_minibatch([_microbatch(s, state.rank, j) for j in range(counts[state.rank])], ntok)
 
 
 def _snapshot(state):
@@ -57,7 +57,7 @@ def _snapshot(state):
 
 
 def checkpoint_body(ctx, root):
-    from jaxodc.dist import init_jax_distributed
+    from jaxodc.launch.context import init_jax_distributed
     init_jax_distributed(ctx)
     import optax
     from jaxodc.train.api import sharded_step
@@ -68,20 +68,20 @@ def checkpoint_body(ctx, root):
         step = sharded_step(model, _optimizer(), comm=comm)
         ck = os.path.join(root, comm)
         a = step.init(params, ctx=ctx)  # K, save, M more: the uninterrupted run
-        _run(step, a, comm, range(K))
+        _run(a, comm, range(K))
         a.save(ck)
         saved = _snapshot(a)
-        _run(step, a, comm, range(K, K + M))
+        _run(a, comm, range(K, K + M))
         full = _snapshot(a)
         a.close()
         c = step.init(params, ctx=ctx)  # fresh trainer (and runtime): restore, M more
         restored_step = c.restore(ck)
         restored = _snapshot(c)
-        _run(step, c, comm, range(K, K + M))
+        _run(c, comm, range(K, K + M))
         resumed = _snapshot(c)
         # restore again into the same trainer, which has trained (ODC: runtime at a later version)
         c.restore(ck)
-        _run(step, c, comm, range(K, K + M))
+        _run(c, comm, range(K, K + M))
         again = _snapshot(c)
         c.close()
         out[comm] = dict(full=full, saved=saved, restored=restored, resumed=resumed, again=again,
@@ -181,13 +181,12 @@ def test_bad_checkpoints_are_refused_on_every_rank(two_rank_results):
 
 def _single_rank_step():
     from jaxodc.odc import Runtime
-    from jaxodc.dist import new_job_id
+    from jaxodc.launch.context import new_job_id
     from jaxodc.train.api import sharded_step
-    from jaxodc.train.odc_runtime import TrainerRuntime
     model, params = _model()
     step = sharded_step(model, _optimizer(), comm="odc")
-    rt = TrainerRuntime(Runtime([u.padded for u in step.layout(params, 1).units], rank=0, world=1,
-                                rendezvous=None, job_id=new_job_id()))
+    rt = Runtime([u.padded for u in step.layout(params, 1).units], rank=0, world=1, rendezvous=None,
+                 job_id=new_job_id())
     return step, step.init(params, runtime=rt), rt
 
 
@@ -206,7 +205,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from jaxodc.train import checkpoint
     step, state, rt = _single_rank_step()
     try:
-        step(state, [_microbatch(0, 0, 0)], 3.0)
+        state.train_minibatch([_microbatch(0, 0, 0)], 3.0)
         state.save(str(tmp_path))
         first = _snapshot(state)
         man = json.load(open(tmp_path / "manifest.json"))
@@ -214,7 +213,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         assert [u["name"] for u in man["units"]] == ["layer_0", "layer_1", "layer_2"]
         assert [f["rank"] for f in man["files"]] == [0] and os.path.exists(tmp_path / man["files"][0]["file"])
 
-        step(state, [_microbatch(1, 0, 0)], 3.0)
+        state.train_minibatch([_microbatch(1, 0, 0)], 3.0)
         real = checkpoint._write_atomic
 
         def crash_on_manifest(path, data):

@@ -2,25 +2,17 @@
 links capped at 20 MB/s so all-reduces last long enough for kills to land inside them).
 
 CI runs ~90 s; set JAXODC_CHURN_MINUTES for longer runs (or run bench/churn.py --minutes N)."""
-import importlib.util
 import os
 
 import pytest
 
 MINUTES = float(os.environ.get("JAXODC_CHURN_MINUTES", "1.5"))
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_churn():
-    spec = importlib.util.spec_from_file_location("jaxodc_bench_churn", os.path.join(HERE, "..", "bench", "churn.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(int(MINUTES * 60 + 180))
 def test_churn_keeps_progress_and_bit_identical_state(tmp_path, capsys):
-    churn = _load_churn()
+    from jaxodc.bench import churn
     res = churn.Churn(MINUTES * 60, max_peers=6, seed=int(os.environ.get("JAXODC_CHURN_SEED", "0")),
                       stall_s=30.0, workdir=str(tmp_path), link_bps=20e6).run()
     with capsys.disabled():

@@ -22,8 +22,8 @@ MIN_BUCKET = 32  # rows of 32 or 64 tokens (the reference packs everything to 64
 
 def _setup():
     import jax
-    from models.lm import LM, LMConfig
-    from jaxodc.train.data import Samples, minibatches, stdlib_corpus
+    from jaxodc.models.lm import LM, LMConfig
+    from jaxodc.data import Samples, minibatches, stdlib_corpus
     model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
     params = model.init(jax.random.PRNGKey(0))
     # Long-tailed lengths fixed here (not a data preset) so the plans below stay what the asserts expect.
@@ -37,8 +37,8 @@ BALANCE = ("lb_micro", "local_sort", "lb_mini")  # per step; lb_mini's unequal c
 
 
 def _plan(samples, idx, step):
-    from jaxodc.train.balance import make_plan
-    from jaxodc.train.cost import CostModel
+    from jaxodc.balance.plan import make_plan
+    from jaxodc.balance.cost import CostModel
     return make_plan(BALANCE[step], samples.lengths[idx].tolist(), W, MAX_TOKENS, CostModel.for_transformer(32))
 
 
@@ -48,9 +48,11 @@ def _worker(rank: int, port: int, out: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=W, process_id=rank,
                                initialization_timeout=60)
     import optax
-    from jaxodc.train.collective import CollectiveTrainer, clip_by_global_norm, microbatches_for, train_loop
-    from jaxodc.train.data import Samples
-    from jaxodc.train.packing import pack
+    from jaxodc.train.collective import CollectiveTrainer
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.train.core import microbatches_for, train_loop
+    from jaxodc.data import Samples
+    from jaxodc.balance.packing import pack
     model, params, samples, mbs = _setup()
     tr = CollectiveTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params)
     tr.warmup([32, 64])  # compiles; must leave parameters and optimizer state untouched (parity below)
@@ -62,7 +64,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         losses.append(tr.train_plan(plan, sub.tokens, min_bucket=MIN_BUCKET).loss)
     np.savez(os.path.join(out, f"rank{rank}.npz"), **tr.local_shards())
     # train_loop: plans, records with this rank's samples/tokens and estimated busy time.
-    from jaxodc.train.cost import CostModel
+    from jaxodc.balance.cost import CostModel
     recs = train_loop(tr, samples.tokens, mbs[:2], "lb_micro", MAX_TOKENS, CostModel(1e-9, 1e-7), estimate_busy=True)
     loop = [[r.step, r.samples, r.tokens, r.busy_s, r.loss, len(r.compute)] for r in recs]
     # Unequal microbatch counts must fail on every rank with a message naming them.
@@ -76,7 +78,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     except ValueError as e:
         shape_err = str(e)
     # A model configured differently on one rank is caught before any training collective.
-    from models.lm import LM, LMConfig
+    from jaxodc.models.lm import LM, LMConfig
     other = LM(LMConfig(d_model=32, n_layers=2 + rank, n_heads=2))
     fp_err = ""
     try:
@@ -95,7 +97,7 @@ def _spawn(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "support")]),
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(W)]
@@ -117,8 +119,8 @@ def _spawn(tmp_path):
 def test_collective_matches_reference(tmp_path):
     import jax
     import optax
-    from jaxodc.train.collective import microbatches_for, plan_global_tokens
-    from jaxodc.train.data import Samples
+    from jaxodc.train.core import microbatches_for, plan_global_tokens
+    from jaxodc.data import Samples
     from jaxodc.train.reference import ReferenceTrainer
     from jaxodc.train.units import make_layout, unshard_params
 
@@ -152,11 +154,12 @@ def test_collective_matches_reference(tmp_path):
     for r in range(W):
         np.testing.assert_allclose(info[r]["losses"], ref_losses, rtol=1e-5)
         assert "microbatch count" in info[r]["err"] and "rank 0: 1" in info[r]["err"] and "rank 1: 2" in info[r]["err"]
-        assert "ranks disagree on layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
-        assert "ranks disagree on microbatch shapes" in info[r]["shape_err"], info[r]["shape_err"]
+        assert "ranks disagree on the parameter layout: layout fingerprint" in info[r]["fp_err"], info[r]["fp_err"]
+        assert "ranks disagree on the minibatch" in info[r]["shape_err"] and "microbatch shapes (rank 0:" in info[r]["shape_err"], \
+            info[r]["shape_err"]
     # train_loop records: steps continue after the 3 parity steps; every sample counted once.
-    from jaxodc.train.balance import lb_micro
-    from jaxodc.train.cost import CostModel as CM
+    from jaxodc.balance.plan import lb_micro
+    from jaxodc.balance.cost import CostModel as CM
     for s in range(2):
         plan = lb_micro(samples.lengths[mbs[s]].tolist(), W, MAX_TOKENS, CM(1e-9, 1e-7))
         rows = [info[r]["loop"][s] for r in range(W)]
@@ -196,7 +199,7 @@ def test_collective_matches_reference(tmp_path):
 class _Hub:
     def __init__(self, world, timeout=60.0):
         import threading
-        from jaxodc.train.balance import LocalDeques
+        from local_deques import LocalDeques
         self.world, self.timeout = world, timeout
         self.cv = threading.Condition()
         self.pub, self.acc, self.done, self.scal, self.calls = {}, {}, {}, {}, {}
@@ -211,7 +214,7 @@ class _Hub:
 def _thread_runtime(hub, rank):
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.collective import OdcRuntime
+    from jaxodc.train.odc import OdcRuntime
 
     class Rt(OdcRuntime):
         def __init__(self):
@@ -288,14 +291,23 @@ def _thread_runtime(hub, rank):
         def claim(self, version, owner, count, steal):
             return hub.deques.claim(version, owner, count, steal)
 
+        def master_view(self, unit):
+            return None  # no zero-copy owner path: the trainer publishes copies
+
+        def grad_view(self, unit):
+            return self.fetch_grad(unit)
+
+        def clear_grad(self, unit):
+            pass
+
     return Rt()
 
 
 def _odc_plans(samples, mbs):
     """Plans for the minibatches in `mbs` order (the test passes them reversed: the last one gives
     LB-Mini unequal counts)."""
-    from jaxodc.train.balance import Plan, lb_mini, lb_steal
-    from jaxodc.train.cost import CostModel
+    from jaxodc.balance.plan import Plan, lb_mini, lb_steal
+    from jaxodc.balance.cost import CostModel
     cost = CostModel.for_transformer(32)
     l0, l1, l2 = (samples.lengths[i].tolist() for i in mbs)
     p0 = lb_mini(l0, W, MAX_TOKENS, cost)
@@ -309,8 +321,9 @@ def _odc_worker(out: str) -> None:
     import threading
     import jax
     import optax
-    from jaxodc.train.collective import OdcTrainer, clip_by_global_norm
-    from jaxodc.train.data import Samples
+    from jaxodc.train.odc import OdcTrainer
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.data import Samples
     assert len(jax.devices()) == W, jax.devices()
     model, params, samples, mbs = _setup()
     mbs = mbs[::-1]
@@ -320,8 +333,9 @@ def _odc_worker(out: str) -> None:
     def run(rank):
         try:
             with jax.default_device(jax.devices()[rank]):
+                rt = _thread_runtime(hub, rank)
                 tr = OdcTrainer(model, optax.chain(clip_by_global_norm(MAX_NORM), optax.adam(LR, eps=EPS)), params,
-                                _thread_runtime(hub, rank))
+                                rt, gather=rt.gather)
                 losses = []
                 for plan, idx in zip(plans, mbs):
                     res = tr.train_plan(plan, Samples([samples[i] for i in idx]).tokens, min_bucket=MIN_BUCKET)
@@ -348,13 +362,13 @@ def _odc_worker(out: str) -> None:
 def test_odc_driver_matches_reference(tmp_path):
     import jax
     import optax
-    from jaxodc.train.data import Samples
-    from jaxodc.train.packing import pack
+    from jaxodc.data import Samples
+    from jaxodc.balance.packing import pack
     from jaxodc.train.reference import ReferenceTrainer
-    from jaxodc.train.collective import plan_global_tokens
+    from jaxodc.train.core import plan_global_tokens
     from jaxodc.train.units import make_layout, unshard_params
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "support")]),
                XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
                          "intra_op_parallelism_threads=1")
     p = subprocess.Popen([sys.executable, __file__, "odc", str(tmp_path)], env=env, stdout=subprocess.PIPE,
@@ -403,9 +417,10 @@ def _memory_worker(out: str) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
-    from models.lm import LM, LMConfig
-    from jaxodc.train.collective import AXIS, collective_gather, microbatch_grad
-    from jaxodc.train.packing import pack
+    from jaxodc.models.lm import LM, LMConfig
+    from jaxodc.train.collective import AXIS, collective_gather
+    from jaxodc.train.core import microbatch_grad
+    from jaxodc.balance.packing import pack
     from jaxodc.train.units import make_layout
     mesh = Mesh(np.array(jax.devices()[:W]), (AXIS,))
     res = {}
@@ -427,7 +442,7 @@ def _memory_worker(out: str) -> None:
 
 
 def test_collective_step_memory_does_not_grow_with_depth(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "support")]),
                XLA_FLAGS=f"--xla_force_host_platform_device_count={W} --xla_cpu_multi_thread_eigen=false "
                          "intra_op_parallelism_threads=1")
     p = subprocess.run([sys.executable, __file__, "mem", str(tmp_path)], env=env, capture_output=True, text=True,

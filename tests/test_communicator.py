@@ -62,7 +62,7 @@ def test_all_reduce_under_consensus(svc):
 
 
 def _spawn(master, name, npeers, size, link):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "comm_peer.py"), master, SECRET.decode(), name,
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "support", "comm_peer.py"), master, SECRET.decode(), name,
                              str(npeers), str(size), str(link)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from harness import RankFailure, RankTimeout, run_ranks
-from jaxodc import dist
-from jaxodc.dist import expand_nodelist, free_port, parse_tasks_per_node, settings_from_env
+from jaxodc.launch import context as dist
+from jaxodc.launch.context import expand_nodelist, free_port, parse_tasks_per_node, settings_from_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(REPO, "tests", "_launch_probe.py")
+PROBE = os.path.join(REPO, "tests", "support", "launch_probe.py")
 
 
 def _env(**extra):
@@ -241,7 +241,7 @@ def test_settings_from_slurm_and_launcher_env():
 
 _SLURM_RANK = """
 import json
-from jaxodc.dist import init_from_env, shutdown
+from jaxodc.launch.context import init_from_env, shutdown
 ctx = init_from_env(timeout_s=20)
 got = ctx.rendezvous.allgather("x", str(ctx.rank).encode(), ctx.world)
 print(json.dumps([ctx.rank, ctx.world, ctx.local_rank, ctx.job_id, ctx.coordinator,

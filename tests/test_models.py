@@ -4,11 +4,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxodc.train.collective import clip_by_global_norm, global_reduction, microbatch_grad, sharded_loss
-from jaxodc.train.packing import pack
+from jaxodc.optim.clipping import clip_by_global_norm, global_reduction
+from jaxodc.train.core import microbatch_grad, sharded_loss
+from jaxodc.balance.packing import pack
 from jaxodc.train.units import flatten_unit, make_layout, shard_params, unflatten_unit, unshard_params
-from models.lm import LM, LMConfig
-from models.mlp import MLP
+from jaxodc.models.lm import LM, LMConfig
+from jaxodc.models.mlp import MLP
 
 CFG = LMConfig(d_model=32, n_layers=2, n_heads=2)
 
@@ -137,7 +138,7 @@ def test_mlp_units():
 
 
 def test_reference_timing_fn_calibrates(lm):
-    from jaxodc.train.cost import calibrate
+    from jaxodc.balance.cost import calibrate
     from jaxodc.train.reference import ReferenceTrainer
     model, params = lm
     ref = ReferenceTrainer(model, optax.sgd(0.1), params)

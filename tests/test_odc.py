@@ -166,7 +166,7 @@ def psum_scatter_body(ctx, seed):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
-    from jaxodc.dist import init_jax_distributed
+    from jaxodc.launch.context import init_jax_distributed
     init_jax_distributed(ctx)
     rt = make_runtime(ctx)
     publish_all(rt, 0)

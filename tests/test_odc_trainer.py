@@ -13,8 +13,8 @@ W, B, MAX_TOKENS, STEPS, MAX_NORM, LR = 2, 4, 64, 3, 0.05, 1e-2
 
 def _setup():
     import jax
-    from jaxodc.train.data import minibatches, synthetic_text
-    from models.lm import LM, LMConfig
+    from jaxodc.data import minibatches, synthetic_text
+    from jaxodc.models.lm import LM, LMConfig
     model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
     params = model.init(jax.random.PRNGKey(0))
     samples = synthetic_text("longalign", 64, MAX_TOKENS, seed=3, min_len=4)
@@ -31,8 +31,8 @@ def _plans(samples, mbs, balance):
     """Per minibatch: the plan; for static balancers, step 1 gives every microbatch to rank 0 so
     that rank 1 runs none; for lb_steal every microbatch sits in rank 0's deque, so rank 1 can
     only steal."""
-    from jaxodc.train.balance import Plan, make_plan
-    from jaxodc.train.cost import CostModel
+    from jaxodc.balance.plan import Plan, make_plan
+    from jaxodc.balance.cost import CostModel
     plans = []
     for step, idx in enumerate(mbs):
         lengths, cost = samples.lengths[idx].tolist(), CostModel.for_transformer(32)
@@ -44,13 +44,14 @@ def _plans(samples, mbs, balance):
 
 
 def odc_body(ctx, balance):
-    from jaxodc.train.collective import OdcTrainer, clip_by_global_norm
-    from jaxodc.train.data import Samples
-    from jaxodc.train.odc_runtime import TrainerRuntime
+    from jaxodc.data import Samples
+    from jaxodc.odc import Runtime
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.train.odc import OdcTrainer
     from jaxodc.train.units import make_layout
     model, params, samples, mbs = _setup()
     layout = make_layout(params, W, order=model.unit_names)
-    rt = TrainerRuntime.create(layout, ctx)
+    rt = Runtime.create([u.padded for u in layout.units], ctx)
     tr = OdcTrainer(model, _optimizer(clip_by_global_norm), params, rt)
     losses, ran, cpu = [], [], []
     for plan, idx in zip(_plans(samples, mbs, balance), mbs):
@@ -61,7 +62,7 @@ def odc_body(ctx, balance):
         cpu.append((res.cpu, res.t_end - res.t_start))
     shards = tr.local_shards()
     # On the CPU backend the trainer's shards are the runtime's masters themselves (no second copy).
-    from jaxodc.train.collective import _aliases
+    from jaxodc.train.odc import _aliases
     shared = [_aliases(tr.shards[u.name], rt.master_view(u.index)) for u in layout.units]
     rt.close()
     return losses, ran, shards, shared, cpu
@@ -71,9 +72,9 @@ def odc_body(ctx, balance):
 def test_odc_trainer_matches_reference(balance):
     import jax
     import optax
-    from jaxodc.train.collective import plan_global_tokens
-    from jaxodc.train.data import Samples
-    from jaxodc.train.packing import pack
+    from jaxodc.train.core import plan_global_tokens
+    from jaxodc.data import Samples
+    from jaxodc.balance.packing import pack
     from jaxodc.train.reference import ReferenceTrainer
     from jaxodc.train.units import make_layout, unshard_params
 

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxodc.train.data import (PRESETS, Samples, VOCAB, load_jsonl, load_lengths, minibatches, sample_lengths,
+from jaxodc.data import (PRESETS, Samples, VOCAB, load_jsonl, load_lengths, minibatches, sample_lengths,
                                stdlib_corpus, synthetic_text)
-from jaxodc.train.packing import bucket, empty, loss_tokens, pack
+from jaxodc.balance.packing import bucket, empty, loss_tokens, pack
 
 
 def test_pack_layout_by_hand():

@@ -1,14 +1,16 @@
+import dataclasses
 import io
 import json
 
 import numpy as np
 import pytest
 
-from jaxodc.train.cost import CostModel
-from jaxodc.train.data import sample_lengths
-from jaxodc.train.metrics import MinibatchRecord, Progress, bubble_rate, load_records, save_records, summarize
-from jaxodc.train.simulate import METHODS, main, simulate
-from jaxodc.train.timeline import draw
+from jaxodc.balance.cost import CostModel
+from jaxodc.data import sample_lengths
+from jaxodc.train.metrics import MinibatchRecord, Progress, records_bubble_rate, summarize
+from jaxodc.balance.simulate import METHODS, simulate
+from jaxodc.cli.simulate import main
+from jaxodc.cli.timeline import draw
 
 
 def test_cli_table_and_json(tmp_path, capsys):
@@ -70,15 +72,13 @@ def _recs():
 
 def test_metrics_by_hand(tmp_path):
     recs = _recs()
-    assert bubble_rate(recs) == pytest.approx((0.5 + 2.5) / (8 + 4))
+    assert records_bubble_rate(recs) == pytest.approx((0.5 + 2.5) / (8 + 4))
     s = summarize(recs)
     assert s["samples_per_s"] == pytest.approx(8 / 6) and s["tokens_per_s"] == pytest.approx(80 / 6)
     assert s["compute_s"] == {0: 5.5, 1: 3.5} and s["idle_s"] == {0: 0.5, 1: 2.5} and s["loss"] == 1.5
     recs[1].busy_s = 4.0  # estimated compute overrides the intervals
-    assert bubble_rate(recs) == pytest.approx(0.5 / 12)
-    p = tmp_path / "r.jsonl"
-    save_records(str(p), recs)
-    assert load_records(str(p)) == recs
+    assert records_bubble_rate(recs) == pytest.approx(0.5 / 12)
+    assert [MinibatchRecord.from_dict(dataclasses.asdict(r)) for r in recs] == recs
     buf = io.StringIO()
     pr = Progress(2, "train", width=4, stream=buf)
     pr.update(loss=2.5)

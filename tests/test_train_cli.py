@@ -14,7 +14,7 @@ SMALL = ["--minibatch", "2", "--max-tokens", "32", "--d-model", "16", "--layers"
 
 
 def _main(argv, capsys):
-    from jaxodc.train.cli import main
+    from jaxodc.cli.train import main
     code = main(argv)
     return code, capsys.readouterr().err
 
@@ -25,7 +25,7 @@ def test_bad_input_exits_2_before_launching(tmp_path, capsys):
     code, err = _main(["--lengths", str(lengths)] + SMALL, capsys)
     assert code == 2 and "1 sample length(s) exceed --max-tokens 32 (first: sample 2, length 300)" in err, err
     code, err = _main(["--comm", "odc,nccl"], capsys)
-    assert code == 2 and "unknown --comm 'nccl'" in err, err
+    assert code == 2 and "unknown --comm nccl; choose one of odc, collective" in err, err
     code, err = _main(["--comm", "collective", "--balance", "lb_steal"], capsys)
     assert code == 2 and "lb_steal claims microbatches at run time; it needs --comm odc" in err, err
     code, err = _main(["--resume"], capsys)

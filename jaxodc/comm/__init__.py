@@ -12,7 +12,7 @@ from jaxodc.comm.communicator import (
     TopologyStale,
 )
 from jaxodc.comm.shared_state import STRATEGIES, SyncInfo
-from jaxodc.comm.topology import solve_ring
+from jaxodc.coord.topology import solve_ring
 
 __all__ = ["AllReduceHandle", "CollectiveAborted", "CommError", "Communicator", "MasterUnavailable",
            "NotAccepted", "TopologyStale", "STRATEGIES", "SyncInfo", "solve_ring"]

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxodc import _C
+import jaxodc._C as _C
 
 __all__ = ["hash_array", "hash_state", "hash_bytes"]
 

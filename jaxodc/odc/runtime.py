@@ -2,7 +2,7 @@
 
 Typical use (one process per rank)::
 
-    rt = Runtime.create(unit_sizes, ctx)          # ctx from jaxodc.dist.init_from_env()
+    rt = Runtime.create(unit_sizes, ctx)          # ctx from jaxodc.launch.context.init_from_env()
     rt.publish(u, initial_shard, version=0)
     ... jitted steps gather version v and push gradients for version v ...
     rt.done(v); rt.wait_complete(v)
@@ -13,7 +13,7 @@ ranks keep their server memory on a GPU, "cuda_ipc" (same host: the data moves G
 control words stay in shared memory) and, across hosts, "nvshmem" (the data moves with NVSHMEM
 between symmetric GPU blocks, the control words over tcp; needs the plugin jaxodc/_nvshmem_plugin.so,
 built when the nvidia-nvshmem-cu13 wheel is present). `device="auto"` puts the server memory on the
-GPU when jax runs on one (call jaxodc.dist.init_jax_distributed first: this looks at jax's backend).
+GPU when jax runs on one (call jaxodc.launch.context.init_jax_distributed first: this looks at jax's backend).
 NVSHMEM's bootstrap picks a network interface itself; NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME overrides it.
 """
 from __future__ import annotations
@@ -251,7 +251,7 @@ class Runtime:
 
     @classmethod
     def create(cls, unit_sizes: Sequence[int], ctx, **kwargs) -> "Runtime":
-        """Builds the runtime from a jaxodc.dist.Context."""
+        """Builds the runtime from a jaxodc.launch.context.Context."""
         return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
                    job_id=ctx.job_id, **kwargs)
 

@@ -1,7 +1,7 @@
 """Causal attention within packed samples (`segment_attention`).
 
 A packed row of T tokens holds several samples, each one contiguous run of equal segment ids
-(jaxodc.train.packing; 0 = padding). Token i attends to token j iff j <= i and j lies in the
+(jaxodc.balance.packing; 0 = padding). Token i attends to token j iff j <= i and j lies in the
 same run as i; a padding token attends only to itself (its output is its own value vector; its
 loss is masked, and nothing real attends to it). Scale 1/sqrt(Dh).
 

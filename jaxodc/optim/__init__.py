@@ -1,13 +1,17 @@
-"""Outer optimizers over the fault-tolerant communicator: DiLoCo and async DiLoCo (see
-jaxodc.optim.diloco). Importing this package imports jax and optax."""
-from jaxodc.optim.diloco import (
-    DiLoCo,
-    PseudoGradientReducer,
-    async_diloco_outer,
-    default_outer_optimizer,
-    diloco_outer,
-    pseudo_gradient,
-)
+"""Optimizers for sharded and distributed training: global-norm clipping over shards
+(`clipping`), pytree averaging over the fault-tolerant communicator (`reducer`) and DiLoCo /
+async DiLoCo (`diloco`); the last two load on first use."""
+import importlib
 
-__all__ = ["DiLoCo", "PseudoGradientReducer", "async_diloco_outer", "default_outer_optimizer", "diloco_outer",
-           "pseudo_gradient"]
+from jaxodc.optim.clipping import clip_by_global_norm, global_norm, global_sum
+
+_LAZY = {"DiLoCo": "diloco", "default_outer_optimizer": "diloco", "diloco_outer": "diloco",
+         "pseudo_gradient": "diloco", "PseudoGradientReducer": "reducer", "PendingAverage": "reducer"}
+
+__all__ = ["clip_by_global_norm", "global_norm", "global_sum", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"jaxodc.optim.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'jaxodc.optim' has no attribute {name!r}")

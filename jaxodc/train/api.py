@@ -1,6 +1,5 @@
-"""The user-facing trainer API: `sharded_step` (one minibatch step of a unit-staged model with
-fp32 parameter shards) and `Trainer` (a step plus balancing, metrics, checkpoints and the config
-check across ranks).
+"""The user-facing trainer API: `sharded_step` (the sharded trainer of a unit-staged model) and
+`Trainer` (that plus balancing, metrics, checkpoints and the config check across ranks).
 
 A model follows the unit protocol (models/lm.py, models/mlp.py): `unit_names` (run order) and
 `apply_unit(name, params, carry, batch) -> carry`, the last unit returning per-token losses; the
@@ -10,20 +9,12 @@ model class, decorate the per-unit function::
     @jaxodc.sharded_step(optimizer=optax.adam(1e-3), units=("embed", "block_0", "head"), comm="odc")
     def step(name, params, carry, batch): ...
 
-    state = step.init(params, ctx=ctx)         # fp32 shards; comm="odc" also starts the runtime
-    res = step(state, my_microbatches, global_tokens)   # one minibatch; res.loss is global
+    state = step.init(params, ctx=ctx)                # fp32 shards; comm="odc" also starts the runtime
+    res = state.train_minibatch(my_microbatches, global_tokens)   # one minibatch; res.loss is global
     state.save("ckpt"); state.close()
 
-The state is not a pytree: under ODC the parameters live in the runtime's shared memory, where
-peers read them, so a step updates `state` in place (and returns the minibatch's StepResult).
-Both are the trainer core of jaxodc.train.collective, which is what runs: one gathered unit at a
-time inside remat'd stages, any Optax transformation on the local shards (use
-collective.clip_by_global_norm for clipping), ODC or collective communication.
-
-`Trainer(model, optimizer, comm=..., balance=..., max_tokens=...)` adds what a training run
-needs: it plans every global minibatch (balance.make_plan), packs samples, runs it (train_loop),
-keeps per-rank metrics, saves and restores checkpoints, and, when created, checks that all ranks
-agree on its configuration.
+The state is a mutable object, not a pytree: under ODC the parameters live in the runtime's shared
+memory, where peers read them, so a minibatch updates the state in place (like `nnx.Optimizer`).
 """
 from __future__ import annotations
 
@@ -38,17 +29,13 @@ import msgpack
 import numpy as np
 import optax
 
-from jaxodc.train.balance import BALANCERS
-from jaxodc.train.collective import CollectiveTrainer, OdcTrainer, StepResult, train_loop
-from jaxodc.train.cost import CostModel
+from jaxodc.balance.cost import CostModel
+from jaxodc.train.collective import CollectiveTrainer
+from jaxodc.balance.plan import validate_run
+from jaxodc.train.core import ShardedTrainer, check_same, train_loop
+from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
 from jaxodc.train.units import Layout, StagedModel, make_layout, unshard_params
-
-COMMS = ("odc", "collective")
-
-
-class ConfigMismatchError(ValueError):
-    """Ranks were configured differently."""
 
 
 class UnitModel(StagedModel):
@@ -74,52 +61,15 @@ def _as_model(fn_or_model, units):
     return UnitModel(fn_or_model, units)
 
 
-def _check_comm(comm: str) -> None:
-    if comm not in COMMS:
-        raise ValueError(f"unknown comm {comm!r}; choose one of {COMMS}")
-
-
-class ShardedState:
-    """Sharded parameters + optimizer state of one rank (the trainer core, `.core`) and the ODC
-    runtime when the step created it. Not a pytree: it changes in place."""
-
-    def __init__(self, core, runtime=None):
-        self.core, self._runtime = core, runtime
-
-    comm = property(lambda self: self.core.comm)
-    rank = property(lambda self: self.core.rank)
-    world = property(lambda self: self.core.world)
-    layout: Layout = property(lambda self: self.core.layout)
-    step = property(lambda self: self.core.version, doc="minibatches done (restored with checkpoints)")
-    shards = property(lambda self: self.core.shards)
-    opt_state = property(lambda self: self.core.opt_state)
-
-    def local_shards(self) -> dict[str, np.ndarray]:
-        return self.core.local_shards()
-
-    def local_opt_state(self):
-        return self.core.local_opt_state()
-
-    def save(self, path: str) -> str:
-        return self.core.save(path)
-
-    def restore(self, path: str) -> int:
-        return self.core.restore(path)
-
-    def close(self) -> None:
-        """Shut down the ODC runtime this state started (all ranks close together)."""
-        if self._runtime is not None:
-            rt, self._runtime = self._runtime, None
-            rt.close()
-
-
 class ShardedStep:
-    """One minibatch step of `model` with `optimizer` under `comm`; see the module docstring.
-    Calls: `init(params, ctx=None, runtime=None) -> ShardedState`, then
-    `step(state, microbatches, global_tokens) -> StepResult`."""
+    """Builds the sharded trainer of `model` with `optimizer` under `comm` (see the module docstring).
+
+    `init(params, ctx=None, runtime=None)` returns the trainer, a `ShardedTrainer` (the mutable
+    state): `train_minibatch(microbatches, global_tokens) -> StepResult`, `save`, `restore`, `close`.
+    """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc"):
-        _check_comm(comm)
+        validate_run(comm, None)
         if not hasattr(optimizer, "update"):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         self.model, self.optimizer, self.comm = model, optimizer, comm
@@ -128,44 +78,69 @@ class ShardedStep:
         """The unit layout for `world` ranks (params may be arrays or jax.ShapeDtypeStruct)."""
         return make_layout(params, world, order=self.model.unit_names)
 
-    def init(self, params: dict, *, ctx=None, runtime=None, **runtime_kwargs) -> ShardedState:
-        """Shard `params` (every rank passes the same full parameters) and set up communication.
-        comm="collective": jax.distributed must span the job (jaxodc.dist.init_jax_distributed).
-        comm="odc": pass `runtime` (an OdcRuntime) or `ctx` (a jaxodc.dist.Context) to start
-        one here (`runtime_kwargs` go to jaxodc.odc.Runtime, e.g. timeout_s, transport)."""
+    def config(self, params, world: int) -> dict:
+        """What every rank must agree on before training: comm, layout, optimizer-state structure."""
+        layout = self.layout(params, world)
+        shapes = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
+        opt_struct = jax.tree_util.tree_map(lambda s: (tuple(s.shape), str(s.dtype)),
+                                            jax.eval_shape(self.optimizer.init, shapes))
+        return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
+                "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct))}
+
+    def init(self, params: dict, *, ctx=None, runtime=None, check: bool = True, **runtime_kwargs) -> ShardedTrainer:
+        """Shards `params` (every rank passes the same full parameters) and sets up communication.
+
+        Args:
+          params: the full initial parameters.
+          ctx: the job's `jaxodc.launch.Context`. With it, ranks first check that they agree on
+            `config()` (ConfigMismatchError otherwise); comm="odc" starts a runtime here
+            (`runtime_kwargs` go to `jaxodc.odc.Runtime`, e.g. timeout_s, transport).
+          runtime: an ODC runtime to use instead (comm="odc"); the caller closes it.
+          check: run the config check (Trainer runs a larger one itself).
+
+        Returns:
+          The trainer (CollectiveTrainer or OdcTrainer).
+        """
+        if check and ctx is not None and ctx.world > 1:
+            check_same(functools.partial(ctx.allgather, "jaxodc/config/step"), self.config(params, ctx.world),
+                       ctx.rank, "trainer config")
         if self.comm == "collective":
             if ctx is not None and jax.process_count() != ctx.world:
                 raise RuntimeError(f"rank {ctx.rank}: comm='collective' needs jax.distributed over the job's "
                                    f"{ctx.world} processes (jax sees {jax.process_count()}); call "
-                                   "jaxodc.dist.init_jax_distributed(ctx) before using jax")
-            return ShardedState(CollectiveTrainer(self.model, self.optimizer, params))
-        owned = None
-        if runtime is None:
-            if ctx is None:
-                raise ValueError("comm='odc' needs ctx= (jaxodc.dist.Context) or runtime=")
-            from jaxodc.train.odc_runtime import TrainerRuntime
-            runtime = owned = TrainerRuntime.create(self.layout(params, ctx.world), ctx, **runtime_kwargs)
+                                   "jaxodc.launch.init_jax_distributed(ctx) before using jax")
+            return CollectiveTrainer(self.model, self.optimizer, params)
+        if runtime is not None:
+            return OdcTrainer(self.model, self.optimizer, params, runtime)
+        if ctx is None:
+            raise ValueError("comm='odc' needs ctx= (jaxodc.launch.Context) or runtime=")
+        from jaxodc.odc import Runtime
+        runtime = Runtime.create([u.padded for u in self.layout(params, ctx.world).units], ctx, **runtime_kwargs)
         try:
-            return ShardedState(OdcTrainer(self.model, self.optimizer, params, runtime), owned)
+            return OdcTrainer(self.model, self.optimizer, params, runtime, owns_runtime=True)
         except BaseException:
-            if owned is not None:
-                owned.close(barrier=False)
+            runtime.close(barrier=False)
             raise
-
-    def __call__(self, state: ShardedState, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
-        """This rank's microbatches of one minibatch (dicts of arrays the model's apply_unit
-        takes; collective: the same count and shapes on every rank), then the optimizer.
-        `global_tokens`: loss tokens of the whole minibatch over all ranks."""
-        if state.comm != self.comm:
-            raise ValueError(f"state is comm={state.comm!r}, this step comm={self.comm!r}")
-        return state.core.train_minibatch(microbatches, global_tokens)
 
 
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
                  comm: str = "odc"):
-    """A sharded training step (ShardedStep) for `fn`: a model with `unit_names`/`apply_unit`,
-    or a per-unit function `fn(name, params, carry, batch) -> carry` with `units` = unit names in
-    run order. Without `fn`, returns a decorator."""
+    """The sharded trainer builder for a model or a per-unit function.
+
+    Args:
+      fn: a model with `unit_names` / `apply_unit`, or a per-unit function
+        `fn(name, params, carry, batch) -> carry`; omitted, `sharded_step` is a decorator.
+      optimizer: any Optax transformation (clip with `jaxodc.clip_by_global_norm`).
+      units: the unit names in run order (a per-unit function needs them).
+      comm: "odc" or "collective".
+
+    Returns:
+      A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
+
+    Example:
+      >>> tr = sharded_step(model, optax.adam(1e-3), comm="odc").init(params, ctx=ctx)
+      >>> res = tr.train_minibatch(my_microbatches, global_tokens)
+    """
     if fn is None:
         return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm)
     if optimizer is None:
@@ -173,81 +148,66 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
     return ShardedStep(_as_model(fn, units), optimizer, comm)
 
 
-# --------------------------------------------------------------------------- config agreement
-
 def _digest(x) -> str:
     return hashlib.sha256(repr(x).encode()).hexdigest()[:12]
-
-
-def check_same_config(ctx, config: dict, what: str = "trainer config") -> None:
-    """All ranks of `ctx` must hold the same `config` (a dict of msgpack-able values); raises
-    ConfigMismatchError on every rank naming each differing field and every rank's value."""
-    if ctx is None or ctx.world == 1:
-        return
-    got = [msgpack.unpackb(b) for b in ctx.allgather(f"jaxodc/config/{what}", msgpack.packb(config))]
-    diffs = []
-    for key in config:
-        vals = [g.get(key) for g in got]
-        if any(v != vals[0] for v in vals):
-            diffs.append(f"{key} (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals)) + ")")
-    if diffs:
-        raise ConfigMismatchError(f"rank {ctx.rank}: ranks disagree on the {what}: " + "; ".join(diffs))
 
 
 class Trainer:
     """Train a unit-staged model on variable-length token samples across the ranks of a job.
 
-    Trainer(model, optimizer, comm="odc", balance="lb_mini", max_tokens=512, params=None,
-            cost=None, ctx=None, min_bucket=None, seed=0)
-
-    - `params`: initial parameters, the same on every rank (default: model.init(PRNGKey(seed))).
-    - `balance`: a balancer of jaxodc.train.balance (default lb_mini for odc, lb_micro for
-      collective; lb_steal needs odc). `max_tokens`: tokens per packed microbatch (the memory
-      bound); `cost`: the CostModel the balancers use; `min_bucket`: bucketed row lengths.
-    - `ctx`: the job's jaxodc.dist.Context (default: init_from_env(), closed by close()).
-      comm="collective" also needs jaxodc.dist.init_jax_distributed(ctx) before jax is used.
-
     Creating it exchanges its configuration with every rank first (comm, balance, max_tokens,
     min_bucket, cost, layout fingerprint, optimizer-state structure) and raises
-    ConfigMismatchError naming the fields that differ and every rank's value."""
+    ConfigMismatchError naming the fields that differ and every rank's value.
+
+    Args:
+      model: a unit-staged model (`unit_names`, `apply_unit`, `init`).
+      optimizer: any Optax transformation; it runs on the local shards.
+      comm: "odc" or "collective".
+      balance: a balancer of jaxodc.balance.plan (default lb_mini for odc, lb_micro for
+        collective; lb_steal needs odc).
+      max_tokens: tokens per packed microbatch (the memory bound).
+      params: initial parameters, the same on every rank (default: model.init(PRNGKey(seed))).
+      cost: the CostModel the balancers plan with.
+      ctx: the job's `jaxodc.launch.Context` (default: init_from_env(), closed by close()).
+        comm="collective" also needs `jaxodc.launch.init_jax_distributed(ctx)` before jax is used.
+      min_bucket: bucketed row lengths (packing.bucket), so compute follows content.
+      seed: the parameter init seed when `params` is None.
+      **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport.
+
+    Example:
+      >>> with Trainer(model, optax.adam(3e-3), comm="odc", max_tokens=256) as tr:
+      ...     tr.fit(samples, minibatch=4, steps=100)
+      ...     print(tr.summary())
+    """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, *, comm: str = "odc",
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
                  **runtime_kwargs):
-        _check_comm(comm)
-        balance = balance or ("lb_mini" if comm == "odc" else "lb_micro")
-        if balance not in BALANCERS:
-            raise ValueError(f"unknown balancer {balance!r}; choose one of {BALANCERS}")
-        if comm == "collective" and balance == "lb_steal":
-            raise ValueError("balance='lb_steal' claims microbatches at run time; it needs comm='odc'")
+        balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self._own_ctx = ctx is None
         if ctx is None:
-            from jaxodc.dist import init_from_env
+            from jaxodc.launch.context import init_from_env
             ctx = init_from_env()
         self.ctx = ctx
         self.comm, self.balance, self.max_tokens = comm, balance, int(max_tokens)
         self.cost = cost or CostModel()
         self.min_bucket = min_bucket
         self.records: list[MinibatchRecord] = []
-        self.state: ShardedState | None = None
+        self.state: ShardedTrainer | None = None
         try:
             if params is None:
                 params = model.init(jax.random.PRNGKey(seed))
             self.step_fn = sharded_step(model, optimizer, comm=comm)
-            layout = self.step_fn.layout(params, ctx.world)
-            shapes = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
-            opt_struct = jax.tree_util.tree_map(lambda s: (tuple(s.shape), str(s.dtype)),
-                                                jax.eval_shape(optimizer.init, shapes))
-            check_same_config(ctx, {
-                "comm": comm, "balance": balance, "max_tokens": self.max_tokens, "min_bucket": min_bucket,
-                "cost": [float(self.cost.a), float(self.cost.b)],
-                "layout fingerprint": layout.fingerprint(),
-                "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
-            })
-            self.state = self.step_fn.init(params, ctx=ctx, **runtime_kwargs)
+            if ctx.world > 1:
+                config = {**self.step_fn.config(params, ctx.world), "balance": balance,
+                          "max_tokens": self.max_tokens, "min_bucket": min_bucket,
+                          "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)]}
+                check_same(functools.partial(ctx.allgather, "jaxodc/config/trainer"), config, ctx.rank,
+                           "trainer config")
+            self.state = self.step_fn.init(params, ctx=ctx, check=False, **runtime_kwargs)
         except BaseException:
             self._close_ctx()
             raise
@@ -255,7 +215,7 @@ class Trainer:
     # properties ---------------------------------------------------------------------------
     rank = property(lambda self: self.state.rank)
     world = property(lambda self: self.state.world)
-    step = property(lambda self: self.state.step, doc="minibatches done (restored with checkpoints)")
+    step = property(lambda self: self.state.version, doc="minibatches done (restored with checkpoints)")
     layout = property(lambda self: self.state.layout)
 
     # training -----------------------------------------------------------------------------
@@ -280,14 +240,14 @@ class Trainer:
             if minibatch is None or steps is None:
                 raise ValueError("fit needs minibatches= or both minibatch= (samples per rank) and steps=")
             minibatches = self.minibatch_stream(len(samples), minibatch, steps, seed)
-        recs = train_loop(self.state.core, samples, minibatches, self.balance, self.max_tokens, self.cost,
+        recs = train_loop(self.state, samples, minibatches, self.balance, self.max_tokens, self.cost,
                           progress=progress, min_bucket=self.min_bucket)
         self.records.extend(recs)
         return recs
 
     def minibatch_stream(self, n_samples: int, minibatch: int, steps: int, seed: int = 0) -> list[np.ndarray]:
         """Global minibatches self.step .. steps-1 of the seeded stream (epochs reshuffled)."""
-        from jaxodc.train.data import minibatches as stream
+        from jaxodc.data import minibatches as stream
         return list(itertools.islice(stream(n_samples, self.world * minibatch, seed=seed, epochs=None),
                                      self.step, max(steps, self.step)))
 
@@ -298,10 +258,7 @@ class Trainer:
         mine = [asdict(r) for r in (self.records if records is None else records)]
         out = []
         for blob in self.ctx.allgather("jaxodc/trainer/records", msgpack.packb(mine)):
-            for d in msgpack.unpackb(blob):
-                d["compute"] = [tuple(x) for x in d["compute"]]
-                d["opt"] = tuple(d["opt"]) if d.get("opt") else None
-                out.append(MinibatchRecord(**d))
+            out += [MinibatchRecord.from_dict(d) for d in msgpack.unpackb(blob)]
         return out
 
     def summary(self, records: Sequence[MinibatchRecord] | None = None) -> dict:
@@ -334,7 +291,7 @@ class Trainer:
 
     def _close_ctx(self) -> None:
         if self._own_ctx and self.ctx is not None:
-            from jaxodc.dist import shutdown
+            from jaxodc.launch.context import shutdown
             ctx, self.ctx = self.ctx, None
             shutdown(ctx)
 
@@ -346,9 +303,8 @@ class Trainer:
             self.close()
             return
         # After a failure peers may be stuck: close without waiting for them.
-        if self.state is not None and self.state._runtime is not None:
-            rt, self.state._runtime = self.state._runtime, None
-            rt.close(barrier=False)
+        if self.state is not None:
+            self.state.close(barrier=False)
         if self._own_ctx and self.ctx is not None:
             ctx, self.ctx = self.ctx, None
             ctx.rendezvous.close()

@@ -32,8 +32,8 @@ committed removes the previous tag's files; a crash at any point leaves the prev
 (or the new one) complete. Every rank writes the manifest, so DIR need not be on a shared
 filesystem: each host gets the manifest and its own ranks' files.
 
-Every rank calls save / restore together (they exchange a few integers through the trainer's
-`allgather_ints`). restore checks world size, layout, optimizer-state structure, tag and checksums
+Every rank calls save / restore together (they exchange a few values through the trainer's
+`allgather_obj`). restore checks world size, layout, optimizer-state structure, tag and checksums
 on every rank before changing anything and, if any rank refuses, raises on every rank (naming
 what differs and the rank) instead of leaving the others waiting.
 """
@@ -97,29 +97,18 @@ def _rank_file(rank: int, tag: str) -> str:
     return f"rank{rank}-{tag}.msgpack"
 
 
-def _split16(x: int) -> list[int]:
-    """Non-negative int < 2**64 as four 16-bit ints (allgather_ints may carry int32 only)."""
-    return [(x >> s) & 0xFFFF for s in (48, 32, 16, 0)]
-
-
-def _join16(xs) -> int:
-    out = 0
-    for x in xs:
-        out = (out << 16) | int(x)
-    return out
-
-
-def _agree(trainer, error: str | None, extra: list[int], what: str) -> np.ndarray:
+def _agree(trainer, error: str | None, extra: list, what: str) -> list[list]:
     """Exchange (ok flag + `extra`) with every rank; if any rank has an error, raise on all of
-    them: the failing ranks with their own message, the others naming the failing ranks."""
-    got = trainer.allgather_ints([0 if error is None else 1] + list(extra))
-    bad = [r for r in range(got.shape[0]) if got[r, 0]]
+    them: the failing ranks with their own message, the others naming the failing ranks.
+    Returns every rank's `extra`."""
+    got = trainer.allgather_obj([error is not None, *extra])
+    bad = [r for r, g in enumerate(got) if g[0]]
     if error is not None:
         raise CheckpointError(error)
     if bad:
         raise CheckpointError(f"rank {trainer.rank}: {what} failed on rank(s) {bad} (see their errors); "
                               "nothing was changed")
-    return got[:, 1:]
+    return [g[1:] for g in got]
 
 
 # --------------------------------------------------------------------------- save
@@ -133,12 +122,12 @@ def save(trainer, path: str) -> str:
     opt_state = trainer.local_opt_state()
     opt_leaves = jax.tree_util.tree_leaves(opt_state)
     # One tag for all ranks: rank 0's random id (and every rank must be at the same step).
-    got = trainer.allgather_ints([step, secrets.randbits(30)])
-    steps = got[:, 0].tolist()
+    got = trainer.allgather_obj([step, secrets.randbits(30)])
+    steps = [g[0] for g in got]
     if len(set(steps)) != 1:
         raise CheckpointError(f"rank {rank}: ranks are at different steps, cannot save one checkpoint: "
                               + ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps)))
-    tag = f"{step:08d}-{int(got[0, 1]):08x}"
+    tag = f"{step:08d}-{got[0][1]:08x}"
     blob = msgpack.packb({
         "format": FORMAT + ".rank", "version": VERSION, "tag": tag, "rank": rank, "world": world, "step": step,
         "shards": {n: np.ascontiguousarray(shards[n], "<f4").tobytes() for n in trainer.layout.names},
@@ -151,13 +140,13 @@ def save(trainer, path: str) -> str:
     except OSError as e:
         err = f"rank {rank}: cannot write checkpoint file {os.path.join(path, fname)}: {e}"
     crc = zlib.crc32(blob)
-    meta = _agree(trainer, err, _split16(len(blob)) + _split16(crc), "writing the checkpoint")
+    meta = _agree(trainer, err, [len(blob), crc], "writing the checkpoint")
     manifest = {
         "format": FORMAT, "version": VERSION, "tag": tag, "step": step, "world": world,
         "comm": getattr(trainer, "comm", ""), "layout_fingerprint": trainer.layout.fingerprint(),
         "units": _units(trainer.layout), "opt_state": _opt_description(opt_state),
-        "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": _join16(meta[r, :4]),
-                   "crc32": _join16(meta[r, 4:])} for r in range(world)],
+        "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": meta[r][0], "crc32": meta[r][1]}
+                  for r in range(world)],
     }
     mpath = os.path.join(path, MANIFEST)
     err = None
@@ -280,9 +269,9 @@ def restore(trainer, path: str) -> int:
         err = str(e)
     tag_id = int(payload[1].split("-")[1], 16) if payload else 0
     got = _agree(trainer, err, [payload[0] if payload else 0, tag_id], f"restoring checkpoint {path}")
-    if len({(int(a), int(b)) for a, b in got}) != 1:
+    if len({(a, b) for a, b in got}) != 1:
         raise CheckpointError(f"rank {trainer.rank}: ranks read different saves of {path}: "
-                              + ", ".join(f"rank {r}: step {int(a)} id {int(b):08x}" for r, (a, b) in enumerate(got)))
+                              + ", ".join(f"rank {r}: step {a} id {b:08x}" for r, (a, b) in enumerate(got)))
     step, _, shards, opt_state = payload
     trainer.load_local_state(shards, opt_state, step)
     return step

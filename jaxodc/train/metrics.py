@@ -10,15 +10,19 @@ bubble rate = sum over minibatches and ranks of (minibatch span - rank busy) / (
 the span runs from the first rank's start to the last rank's end of that minibatch."""
 from __future__ import annotations
 
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from jaxodc.balance.simulate import bubble_rate
 
 
 @dataclass
 class MinibatchRecord:
+    """One rank's view of one minibatch: its span, compute and optimizer intervals, the samples and
+    tokens it ran and the global loss (times: perf_counter seconds)."""
+
     rank: int
     step: int
     t_start: float
@@ -40,6 +44,11 @@ class MinibatchRecord:
         return sum(b - a for a, b in self.compute) + (self.opt[1] - self.opt[0] if self.opt else 0.0)
 
     @classmethod
+    def from_dict(cls, d: dict) -> "MinibatchRecord":
+        """From `dataclasses.asdict` of a record (JSON / msgpack round trips turn tuples into lists)."""
+        return cls(**{**d, "compute": [tuple(x) for x in d["compute"]], "opt": tuple(d["opt"]) if d.get("opt") else None})
+
+    @classmethod
     def from_result(cls, res, rank: int, samples: int = 0, tokens: int = 0, comm: str = "", balance: str = ""):
         """From a trainer's StepResult (jaxodc.train.collective)."""
         return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
@@ -53,13 +62,10 @@ def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchReco
     return out
 
 
-def bubble_rate(records: Sequence[MinibatchRecord]) -> float:
-    idle = total = 0.0
-    for recs in _by_step(records).values():
-        span = max(r.t_end for r in recs) - min(r.t_start for r in recs)
-        idle += sum(max(span - r.busy, 0.0) for r in recs)
-        total += span * len(recs)
-    return idle / total if total > 0 else 0.0
+def records_bubble_rate(records: Sequence[MinibatchRecord]) -> float:
+    """The measured bubble rate (balance.simulate.bubble_rate over each minibatch's span)."""
+    return bubble_rate((max(r.t_end for r in recs) - min(r.t_start for r in recs), [r.busy for r in recs])
+                       for recs in _by_step(records).values())
 
 
 def summarize(records: Sequence[MinibatchRecord]) -> dict:
@@ -75,33 +81,12 @@ def summarize(records: Sequence[MinibatchRecord]) -> dict:
         "steps": len(steps), "ranks": len(ranks), "wall_s": wall,
         "samples_per_s": sum(r.samples for r in records) / wall if wall > 0 else 0.0,
         "tokens_per_s": sum(r.tokens for r in records) / wall if wall > 0 else 0.0,
-        "bubble_rate": bubble_rate(records),
+        "bubble_rate": records_bubble_rate(records),
         "compute_s": {rk: sum(r.busy for r in records if r.rank == rk) for rk in ranks},
         "idle_s": {rk: sum(max(max(x.t_end for x in steps[r.step]) - min(x.t_start for x in steps[r.step]) - r.busy, 0.0)
                            for r in records if r.rank == rk) for rk in ranks},
         "loss": last[0].loss,
     }
-
-
-def save_records(path: str, records: Iterable[MinibatchRecord]) -> None:
-    with open(path, "w") as fh:
-        for r in records:
-            fh.write(json.dumps(asdict(r)) + "\n")
-
-
-def load_records(path: str) -> list[MinibatchRecord]:
-    out = []
-    with open(path) as fh:
-        for ln, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    d = json.loads(line)
-                    d["compute"] = [tuple(x) for x in d["compute"]]
-                    d["opt"] = tuple(d["opt"]) if d.get("opt") else None
-                    out.append(MinibatchRecord(**d))
-                except (ValueError, TypeError) as e:
-                    raise ValueError(f"{path}:{ln}: not a minibatch record ({e})") from None
-    return out
 
 
 class Progress:

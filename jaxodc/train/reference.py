@@ -52,7 +52,7 @@ class ReferenceTrainer:
         of random tokens, forward + backward on this process alone, blocking. Pure compute with no
         communication: what a rank's busy time is when collectives' waits are taken out. Use the
         same `min_bucket` as training: without buckets every microbatch costs a full max_tokens row."""
-        from jaxodc.train.packing import bucket, pack
+        from jaxodc.balance.packing import bucket, pack
         rng = np.random.default_rng(seed)
         vocab = getattr(getattr(self.model, "cfg", None), "vocab", 256)
 

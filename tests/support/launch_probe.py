@@ -22,7 +22,7 @@ with open(os.path.join(piddir, f"{rank}.tmp"), "w") as f:
 os.replace(os.path.join(piddir, f"{rank}.tmp"), os.path.join(piddir, f"{rank}.pid"))
 
 if mode == "env":
-    from jaxodc.dist import init_from_env, shutdown
+    from jaxodc.launch.context import init_from_env, shutdown
 
     ctx = init_from_env(timeout_s=20)
     ranks = [int(b) for b in ctx.rendezvous.allgather("ranks", str(ctx.rank).encode(), ctx.world)]

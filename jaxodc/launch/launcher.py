@@ -6,7 +6,7 @@
     jaxodc launch -n N --nnodes M --node-rank R --coordinator HOST0:PORT [--job-id ID] script.py
 
 Each rank is a subprocess in its own process group, with the environment described in
-jaxodc.dist. Rank 0 hosts the rendezvous server at the coordinator address. When a rank exits
+jaxodc.launch.context. Rank 0 hosts the rendezvous server at the coordinator address. When a rank exits
 non-zero or dies from a signal, the launcher stops the others (SIGTERM, SIGKILL after the grace
 period), reports the failing rank with its last output, and exits with that rank's status
 (128 + signal number for a signal). --timeout stops everything and exits 124. SIGINT/SIGTERM to the
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from jaxodc.dist import cleanup_shm, free_port, new_job_id, sanitize_job_id
+from jaxodc.launch.context import cleanup_shm, free_port, new_job_id, sanitize_job_id
 
 __all__ = ["main", "rank_env", "TAIL_LINES", "TIMEOUT_STATUS"]
 
@@ -327,3 +327,32 @@ def _report_tail(r: _Rank) -> None:
     body = "".join(f"  [rank {r.rank}] {line}\n" for line in lines)
     sys.stderr.write(f"jaxodc launch: rank {r.rank} {with_lines}:\n{body}")
     sys.stderr.flush()
+
+
+# One compute thread per rank so that ranks sharing few cores do not fight over them.
+RANK_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
+
+
+def pin_one_core(index: int = 0) -> int | None:
+    """Pin this process to one of its allowed cores (`index` modulo their count), before jax is
+    imported: XLA sizes its intra-op thread pool from the CPU affinity, so without this a rank
+    that asked for one compute thread still spreads work over every core and two ranks fight
+    over them. Returns the core, or None where affinity is not supported."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[index % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
+    """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
+    RANK_ENV); raises SystemExit naming the module when a rank fails."""
+    os.environ.update(RANK_ENV)
+    os.environ.update(env or {})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds jaxodc/
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    status = main(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)
+    if status != 0:
+        raise SystemExit(f"ranks of {module} failed with status {status}")

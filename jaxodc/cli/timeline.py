@@ -2,13 +2,14 @@
 collective), so a stall is visible at a glance. Where a record's busy time (`busy_s`, e.g. CPU
 time) is below its measured intervals -- a collective microbatch interval includes waiting for the
 peer -- each interval is drawn shortened in that proportion and the rest shows as idle. `draw({"odc + lb_mini": recs, ...}, "out.png")`
-or `python -m jaxodc.train.timeline out.png name=records.jsonl ...`."""
+or `python -m jaxodc.cli.timeline out.png RUNS.json` (the --json of `jaxodc train`)."""
 from __future__ import annotations
 
+import json
 import sys
 from typing import Mapping, Sequence
 
-from jaxodc.train.metrics import MinibatchRecord, bubble_rate, load_records
+from jaxodc.train.metrics import MinibatchRecord, records_bubble_rate
 
 _COLORS = ("#1f77b4", "#2ca02c")  # alternate per minibatch so neighbours stay distinguishable
 
@@ -48,7 +49,7 @@ def draw(runs: Mapping[str, Sequence[MinibatchRecord]], path: str, title: str | 
         ax.set_yticklabels([f"rank {i}" for i in range(world)])
         ax.set_ylim(world - 0.5, -0.5)
         ax.set_xlim(0, tmax * 1.01)
-        ax.set_title(f"{name}: bubble {100 * bubble_rate(recs):.1f}%, {len(steps)} minibatches, "
+        ax.set_title(f"{name}: bubble {100 * records_bubble_rate(recs):.1f}%, {len(steps)} minibatches, "
                      f"{max(r.t_end for r in recs) - t0:.2f} s", fontsize=10)
     axes[-1, 0].set_xlabel("seconds")
     fig.legend(handles=[Patch(color=_COLORS[0], label="compute (microbatches; colour alternates per minibatch)"), Patch(color="#ff7f0e", label="optimizer"),
@@ -61,16 +62,19 @@ def draw(runs: Mapping[str, Sequence[MinibatchRecord]], path: str, title: str | 
     return path
 
 
+def load_runs(path: str) -> dict[str, list[MinibatchRecord]]:
+    """The runs `jaxodc train --json PATH` wrote: {run name: every rank's records}."""
+    with open(path) as f:
+        raw = json.load(f)
+    return {name: [MinibatchRecord.from_dict(r) for r in recs] for name, recs in raw.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] in ("-h", "--help"):
-        print("usage: python -m jaxodc.train.timeline OUT.png NAME=records.jsonl [NAME=records.jsonl ...]")
+    if len(argv) != 2 or argv[0] in ("-h", "--help"):
+        print("usage: python -m jaxodc.cli.timeline OUT.png RUNS.json   (RUNS.json: jaxodc train --json)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    runs = {}
-    for spec in argv[1:]:
-        name, _, path = spec.rpartition("=")
-        runs[name or path] = load_records(path)
-    print(draw(runs, argv[0]))
+    print(draw(load_runs(argv[1]), argv[0]))
     return 0
 
 

@@ -26,7 +26,8 @@ from typing import Mapping
 
 import msgpack
 
-from jaxodc.rendezvous import RendezvousClient, RendezvousServer
+from jaxodc.coord.protocol import parse_address
+from jaxodc.launch.rendezvous import RendezvousClient, RendezvousServer
 
 __all__ = [
     "Context", "Settings", "init_from_env", "init_jax_distributed", "shutdown", "settings_from_env",
@@ -241,13 +242,6 @@ def _bind_host(host: str) -> str:
     return "0.0.0.0"
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"coordinator address must be 'host:port', got {address!r}")
-    return host, int(port)
-
-
 # -- public entry points --------------------------------------------------------------------------
 
 def init_from_env(timeout_s: float = 120.0) -> Context:
@@ -259,7 +253,7 @@ def init_from_env(timeout_s: float = 120.0) -> Context:
     coordinator = s.coordinator
     if s.rank == 0:
         if coordinator:
-            host, port = _split(coordinator)
+            host, port = parse_address(coordinator, "coordinator address")
             try:
                 server = RendezvousServer(_bind_host(host), port)
             except OSError as e:
@@ -320,7 +314,7 @@ def init_jax_distributed(ctx: Context, cpu_collectives: str = "gloo",
     address = ctx.jax_coordinator
     if not address:
         if ctx.rank == 0:
-            host = _split(ctx.coordinator)[0]
+            host = parse_address(ctx.coordinator, "coordinator address")[0]
             address = f"{host}:{free_port(_bind_host(host))}"
             ctx.rendezvous.set("jaxodc/jax_coordinator", address.encode())
         else:

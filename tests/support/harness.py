@@ -11,7 +11,7 @@
 Each rank is a subprocess running this file as a script, with the launcher's environment (fresh
 rendezvous / jax coordinator ports and job id), PYTHONPATH = the parent's sys.path (so the
 children import the test module exactly as pytest did), and inside it
-`jaxodc.dist.init_from_env()` then `fn(ctx, *args)`. Results come back pickled, by rank.
+`jaxodc.launch.context.init_from_env()` then `fn(ctx, *args)`. Results come back pickled, by rank.
 
 Worker environment (overridable with env=): JAX_PLATFORMS=cpu, and
 XLA_FLAGS=--xla_cpu_multi_thread_eigen=false plus OMP_NUM_THREADS=1 so that several ranks on a
@@ -100,8 +100,8 @@ def run_ranks(fn, world: int, *, args=(), timeout_s: float = 60.0, env=None) -> 
     """Run fn(ctx, *args) on `world` new processes; return the results ordered by rank.
 
     env: extra environment for the workers (a value of None removes the variable)."""
-    from jaxodc.dist import cleanup_shm, free_port, new_job_id
-    from jaxodc.launch import rank_env
+    from jaxodc.launch.context import cleanup_shm, free_port, new_job_id
+    from jaxodc.launch.launcher import rank_env
 
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -229,7 +229,7 @@ def _rank_entry(tmp: str) -> int:
         with open(os.path.join(tmp, "spec.pkl"), "rb") as f:
             spec = pickle.load(f)
         fn = _resolve(spec["fn"])
-        from jaxodc.dist import init_from_env, shutdown
+        from jaxodc.launch.context import init_from_env, shutdown
 
         ctx = init_from_env(timeout_s=spec["timeout_s"])
     except BaseException:

@@ -7,7 +7,7 @@ ranks, and print loss, throughput and bubble rate per run.
 
 Without `jaxodc launch` around it, the command starts --ranks local rank processes itself (one
 compute thread each) and reports when they finish; started by `jaxodc launch -n N -m
-jaxodc.train.cli ...` (or SLURM), every process is a rank and rank 0 reports.
+jaxodc.cli.train ...` (or SLURM), every process is a rank and rank 0 reports.
 
 Data: --preset (long-tailed sample lengths of byte-level stdlib text, the default), --lengths FILE
 (your lengths, same text) or --data FILE.jsonl ({"text": ...} per line). Minibatches come from a
@@ -72,15 +72,8 @@ def runs_of(args) -> list[tuple[str, str]]:
         raise ValueError(f"--comm has {len(comms)} values and --balance {len(bals)}; give one or the same number")
     comms = comms * n if len(comms) == 1 else comms
     bals = bals * n if len(bals) == 1 else bals
-    runs = [(c, bals[i] if bals else ("lb_mini" if c == "odc" else "lb_micro")) for i, c in enumerate(comms)]
-    from jaxodc.train.balance import BALANCERS
-    for c, b in runs:
-        if c not in ("odc", "collective"):
-            raise ValueError(f"unknown --comm {c!r}; choose odc or collective")
-        if b not in BALANCERS:
-            raise ValueError(f"unknown --balance {b!r}; choose one of {', '.join(BALANCERS)}")
-        if c == "collective" and b == "lb_steal":
-            raise ValueError("lb_steal claims microbatches at run time; it needs --comm odc")
+    from jaxodc.balance.plan import validate_run
+    runs = [(c, validate_run(c, bals[i] if bals else None, "--{name} {value}")) for i, c in enumerate(comms)]
     if len(set(runs)) != len(runs):
         raise ValueError(f"runs repeat: {runs}")
     return runs
@@ -109,7 +102,7 @@ def check_args(args) -> None:
 
 def load_samples(args, world: int):
     """The run's samples (data.Samples); raises ValueError for unusable input."""
-    from jaxodc.train.data import Samples, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
+    from jaxodc.data import Samples, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
     if args.data:
         samples = Samples(load_jsonl(args.data, max_len=args.max_tokens))
     elif args.lengths:
@@ -143,7 +136,7 @@ def worker(args) -> dict | None:
     0 (None elsewhere) and writes it to --json when given."""
     from dataclasses import asdict
 
-    from jaxodc.dist import init_from_env, init_jax_distributed, shutdown
+    from jaxodc.launch.context import init_from_env, init_jax_distributed, shutdown
 
     runs = runs_of(args)
     ctx = init_from_env()
@@ -173,10 +166,10 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
 
     from jaxodc.train import checkpoint
     from jaxodc.train.api import Trainer
-    from jaxodc.train.collective import clip_by_global_norm
-    from jaxodc.train.cost import CostModel
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.balance.cost import CostModel
     from jaxodc.train.metrics import Progress
-    from models.lm import LM, LMConfig
+    from jaxodc.models.lm import LM, LMConfig
 
     comm, balance = run
     model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
@@ -214,19 +207,11 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
 
 # --------------------------------------------------------------------------- report
 
-def load_runs(path: str) -> dict:
-    from jaxodc.train.metrics import MinibatchRecord
-    with open(path) as f:
-        raw = json.load(f)
-    return {name: [MinibatchRecord(**{**r, "compute": [tuple(x) for x in r["compute"]],
-                                      "opt": tuple(r["opt"]) if r.get("opt") else None}) for r in recs]
-            for name, recs in raw.items()}
-
-
 def report(json_path: str, timeline: str | None, shown_json: str | None = None) -> None:
     """Table of final loss, samples/s, tokens/s and bubble per run, the speed-up of the second
     run over the first, and the timeline PNG."""
     from jaxodc.train.metrics import summarize
+    from jaxodc.cli.timeline import load_runs
     runs = load_runs(json_path)
     summaries = {name: summarize(recs) for name, recs in runs.items() if recs}
     print()
@@ -244,7 +229,7 @@ def report(json_path: str, timeline: str | None, shown_json: str | None = None) 
         base, other = summaries[names[0]], summaries[names[1]]
         print(f"\n{pretty(names[1])} vs {pretty(names[0])}: {other['samples_per_s'] / base['samples_per_s']:.2f}x samples/s")
     if timeline and summaries:
-        from jaxodc.train.timeline import draw
+        from jaxodc.cli.timeline import draw
         os.makedirs(os.path.dirname(os.path.abspath(timeline)), exist_ok=True)
         path = draw({n: runs[n] for n in summaries}, timeline, title=TIMELINE_TITLE)
         print(f"timeline: {os.path.abspath(path)}")
@@ -281,8 +266,8 @@ def main(argv: list[str]) -> int:
             if worker(args) is None:
                 return 0
         else:
-            from bench.common import launch_ranks
-            launch_ranks(args.ranks, "jaxodc.train.cli", _worker_argv(args), timeout_s=args.timeout)
+            from jaxodc.launch.launcher import launch_ranks
+            launch_ranks(args.ranks, "jaxodc.cli.train", _worker_argv(args), timeout_s=args.timeout)
         report(args.json, args.timeline, None if tmp else args.json)
     finally:
         if tmp:

@@ -1,9 +1,9 @@
 """Key-value rendezvous service used to bootstrap a job: rank 0 hosts a `RendezvousServer`, every
 rank talks to it through a `RendezvousClient`.
 
-Wire format: each frame is a 4-byte big-endian length followed by a msgpack map. One request is in
-flight per connection; the server answers every request with one frame:
-``{"ok": True, ...}`` or ``{"ok": False, "error": kind, "msg": text}``.
+Wire format: the framing of `jaxodc.coord.protocol` (a 4-byte big-endian length, then a msgpack
+map), without its message type. One request is in flight per connection; the server answers every
+request with one frame: ``{"ok": True, ...}`` or ``{"ok": False, "error": kind, "msg": text}``.
 
 Requests:
   ``{"op": "hello", "rank": r}``                                  -> ok
@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 
-import msgpack
+from jaxodc.coord import protocol as P
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "MAX_FRAME"]
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 256 << 20  # a frame longer than this is treated as garbage, not allocated
-_HDR = struct.Struct(">I")
 # Extra seconds the client waits on the socket beyond a server-side wait, so the server's
 # timeout reply (which names the key) arrives before the socket gives up.
 _REPLY_MARGIN_S = 5.0
@@ -44,45 +42,6 @@ _REPLY_MARGIN_S = 5.0
 
 class RendezvousError(RuntimeError):
     """The server rejected a request (e.g. mismatched world size) or the connection was lost."""
-
-
-class _FrameError(Exception):
-    pass
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> dict | None:
-    """Next decoded frame; None on clean EOF before a header; _FrameError on garbage."""
-    hdr = _recv_exact(sock, _HDR.size)
-    if hdr is None:
-        return None
-    (n,) = _HDR.unpack(hdr)
-    if n > MAX_FRAME:
-        raise _FrameError(f"frame length {n} exceeds {MAX_FRAME}")
-    body = _recv_exact(sock, n)
-    if body is None:
-        raise _FrameError(f"connection closed inside a {n}-byte frame")
-    try:
-        msg = msgpack.unpackb(body, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise _FrameError(f"undecodable msgpack frame: {e}") from None
-    if not isinstance(msg, dict):
-        raise _FrameError(f"frame is a {type(msg).__name__}, expected a map")
-    return msg
-
-
-def _send_frame(sock: socket.socket, msg: dict) -> None:
-    body = msgpack.packb(msg, use_bin_type=True)
-    sock.sendall(_HDR.pack(len(body)) + body)
 
 
 class _Round:
@@ -183,21 +142,19 @@ class RendezvousServer:
         try:
             while True:
                 try:
-                    msg = _recv_frame(conn)
-                    if msg is None:
-                        return
+                    msg = P.recv_frame(conn, MAX_FRAME, typed=False)
                     if msg.get("op") == "hello":
                         who = f"rank {msg.get('rank')} ({peer[0]}:{peer[1]})"
                     reply = self._handle(msg)
-                except _FrameError as e:
+                except P.ProtocolError as e:
                     log.warning("rendezvous %s: closing connection from %s: %s",
                                 self.address, who, e)
                     return
                 with self._cond:
                     self.requests += 1
-                _send_frame(conn, reply)
+                P.send_frame(conn, reply)
         except OSError:
-            return  # peer went away or server closed
+            return  # peer hung up (P.ConnectionClosed) or server closed
         finally:
             with self._cond:
                 self._conns.discard(conn)
@@ -211,7 +168,7 @@ class RendezvousServer:
             if op == "set":
                 key, value = msg["key"], msg["value"]
                 if not isinstance(key, str) or not isinstance(value, bytes):
-                    raise _FrameError("set needs a str key and a bytes value")
+                    raise P.ProtocolError("set needs a str key and a bytes value")
                 with self._cond:
                     self._kv[key] = value
                     self._cond.notify_all()
@@ -219,7 +176,7 @@ class RendezvousServer:
             if op == "get":
                 key, timeout = msg["key"], float(msg["timeout"])
                 if not isinstance(key, str):
-                    raise _FrameError("get needs a str key")
+                    raise P.ProtocolError("get needs a str key")
                 return self._get(key, timeout)
             if op == "collect":
                 return self._collect(
@@ -227,8 +184,8 @@ class RendezvousServer:
                     msg["value"], float(msg["timeout"]),
                 )
         except (KeyError, TypeError, ValueError) as e:
-            raise _FrameError(f"malformed {op!r} request: {e!r}") from None
-        raise _FrameError(f"unknown op {op!r}")
+            raise P.ProtocolError(f"malformed {op!r} request: {e!r}") from None
+        raise P.ProtocolError(f"unknown op {op!r}")
 
     def _wait(self, pred, timeout: float) -> bool:
         """Wait on the condition (held by the caller) until pred() or timeout or close."""
@@ -255,7 +212,7 @@ class RendezvousServer:
 
     def _collect(self, name: str, gen: int, rank: int, world: int, value, timeout: float) -> dict:
         if not isinstance(value, bytes):
-            raise _FrameError("collect needs a bytes value")
+            raise P.ProtocolError("collect needs a bytes value")
         if world < 1 or not 0 <= rank < world:
             return {"ok": False, "error": "invalid",
                     "msg": f"rank {rank} is outside world size {world} in {name!r}"}
@@ -285,13 +242,6 @@ class RendezvousServer:
             return {"ok": True, "values": values}
 
 
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"rendezvous address must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port)
-
-
 class RendezvousClient:
     """Client of a `RendezvousServer`. Thread-safe (requests on one client are serialised)."""
 
@@ -302,7 +252,7 @@ class RendezvousClient:
         self._lock = threading.Lock()
         self._gens: dict[str, int] = {}  # allgather/barrier rounds used per name
         self._gen_lock = threading.Lock()
-        host, port = _split_address(address)
+        host, port = P.parse_address(address, "rendezvous address")
         deadline = time.monotonic() + self.timeout_s
         delay, last = 0.02, None
         # The server may not be up yet (rank 0 still starting): retry until the timeout.
@@ -328,23 +278,23 @@ class RendezvousClient:
                 raise RendezvousError(f"rendezvous: rank {self.rank} client is closed ({what})")
             try:
                 self._sock.settimeout(wait_s + _REPLY_MARGIN_S)
-                _send_frame(self._sock, msg)
-                reply = _recv_frame(self._sock)
+                P.send_frame(self._sock, msg)
+                reply = P.recv_frame(self._sock, MAX_FRAME, typed=False)
             except socket.timeout:
                 self._drop()  # a late reply would be read as the answer to the next request
                 raise TimeoutError(
                     f"rendezvous: rank {self.rank} got no reply from {self.address} for {what} "
                     f"within {wait_s + _REPLY_MARGIN_S:g} s") from None
-            except (OSError, _FrameError) as e:
+            except P.ConnectionClosed:
+                self._drop()
+                raise RendezvousError(
+                    f"rendezvous: rank {self.rank}: server {self.address} closed the connection "
+                    f"during {what}") from None
+            except (OSError, P.ProtocolError) as e:
                 self._drop()
                 raise RendezvousError(
                     f"rendezvous: rank {self.rank} lost the connection to {self.address} during "
                     f"{what}: {e}") from None
-            if reply is None:
-                self._drop()
-                raise RendezvousError(
-                    f"rendezvous: rank {self.rank}: server {self.address} closed the connection "
-                    f"during {what}")
         if not reply.get("ok"):
             text = f"rendezvous: rank {self.rank}: {what}: {reply.get('msg')}"
             if reply.get("error") == "timeout":

@@ -1,13 +1,13 @@
-"""`jaxodc bench NAME`: dispatches to the benchmark modules in the `bench` package."""
+"""`jaxodc bench NAME`: dispatches to the benchmarks in jaxodc.bench (the repository's bench/)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
 BENCHMARKS = {
-    "primitives": "bench.primitives",
-    "train": "bench.train",
-    "allreduce": "bench.allreduce",
+    "primitives": "jaxodc.bench.primitives",
+    "train": "jaxodc.bench.train",
+    "allreduce": "jaxodc.bench.allreduce",
 }
 
 

@@ -34,15 +34,40 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxodc.train.cost import CostModel
+from jaxodc.balance.cost import CostModel
 
 BALANCERS = ("local_sort", "lb_micro", "lb_mini", "lb_steal")
+COMMS = ("odc", "collective")  # the trainers' communication modes, as far as planning cares
+
+
+def validate_run(comm: str, balance: str | None, option: str = "{name}={value!r}") -> str:
+    """The balancer for a run under `comm` (default: lb_mini for odc, lb_micro for collective).
+
+    Args:
+      comm: "odc" or "collective".
+      balance: a name from BALANCERS, or None for the default.
+      option: how messages spell a setting (the CLI passes "--{name} {value}").
+
+    Raises:
+      ValueError: an unknown comm or balancer, or lb_steal without odc (the collective's
+        lock-step microbatches cannot be claimed at run time).
+    """
+    def say(name, value):
+        return option.format(name=name, value=value)
+
+    if comm not in COMMS:
+        raise ValueError(f"unknown {say('comm', comm)}; choose one of {', '.join(COMMS)}")
+    balance = balance or ("lb_mini" if comm == "odc" else "lb_micro")
+    if balance not in BALANCERS:
+        raise ValueError(f"unknown {say('balance', balance)}; choose one of {', '.join(BALANCERS)}")
+    if comm == "collective" and balance == "lb_steal":
+        raise ValueError(f"{say('balance', 'lb_steal')} claims microbatches at run time; it needs {say('comm', 'odc')}")
+    return balance
 
 
 # --------------------------------------------------------------------------- partitioning
@@ -81,18 +106,6 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
         _, _, b = heapq.heappop(heap)
         push([[a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]] for j in range(k)])
     return [sorted(s[1]) for s in heap[0][2]]
-
-
-def greedy_partition(costs: Sequence[float], k: int) -> list[list[int]]:
-    """Longest-processing-time greedy (costliest item to the least-loaded part); the comparison
-    baseline for `karmarkar_karp`."""
-    loads = [0.0] * k
-    parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
-        j = min(range(k), key=lambda j: (loads[j], j))
-        loads[j] += float(costs[i])
-        parts[j].append(i)
-    return [sorted(p) for p in parts]
 
 
 def spread(parts: Sequence[Sequence[int]], costs: Sequence[float]) -> float:
@@ -342,22 +355,3 @@ def iter_steal(plan: Plan, rank: int, claim: ClaimFn, version: int) -> Iterator[
             victims.pop(0)  # drained for good: deques only shrink within a minibatch
             continue
         yield plan.ranks[v][i]
-
-
-class LocalDeques:
-    """In-process `claim` (ClaimFn) for threads and tests: one deque per (version, owner)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._ends: dict[tuple[int, int], list[int]] = {}
-
-    def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
-        with self._lock:
-            ends = self._ends.setdefault((version, owner), [0, count])
-            if ends[0] >= ends[1]:
-                return -1
-            if steal:
-                ends[1] -= 1
-                return ends[1]
-            ends[0] += 1
-            return ends[0] - 1

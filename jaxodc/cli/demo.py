@@ -1,13 +1,15 @@
 """`jaxodc demo`: trains the small decoder LM on long-tailed byte-level text (Python's own library
 sources) on 2 local ranks, first with the collective baseline + LB-Micro, then with ODC + LB-Mini,
-in the same processes, and prints loss, throughput and bubble rate of both plus a timeline PNG.
-It is `jaxodc train` (jaxodc.train.cli) with both runs and one warm-up minibatch each.
+in the same processes, and prints loss, throughput and bubble rate of both plus a timeline PNG
+and the per-minibatch records in --out. It is `jaxodc train` (jaxodc.cli.train) with both runs and
+one warm-up minibatch each.
 
-    python -m jaxodc demo [--steps 6] [--minibatch 4] [--max-tokens 256] [--timeline PATH]
+    jaxodc demo [--steps 6] [--minibatch 4] [--max-tokens 256] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,8 +22,7 @@ def _args(argv):
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--timeline", default="bench/out/demo_timeline.png")
-    p.add_argument("--json", default="bench/out/demo.json")
+    p.add_argument("--out", default="jaxodc_demo", help="directory for demo_timeline.png and demo.json")
     return p.parse_args(argv)
 
 
@@ -30,12 +31,12 @@ def train_argv(args) -> list[str]:
     return ["--ranks", str(args.ranks), "--comm", "collective,odc", "--balance", "lb_micro,lb_mini",
             "--steps", str(args.steps + 1), "--warmup", "1", "--minibatch", str(args.minibatch),
             "--max-tokens", str(args.max_tokens), "--preset", args.preset, "--d-model", str(args.d_model),
-            "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0", "--timeline", args.timeline,
-            "--json", args.json]
+            "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0", "--timeline", os.path.join(args.out, "demo_timeline.png"),
+            "--json", os.path.join(args.out, "demo.json")]
 
 
 def main(argv: list[str]) -> int:
-    from jaxodc.train.cli import main as train
+    from jaxodc.cli.train import main as train
     return train(train_argv(_args(argv)))
 
 

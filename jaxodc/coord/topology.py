@@ -17,7 +17,6 @@ time-limited heuristic: nearest neighbour from several starts, then or-opt (segm
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 
@@ -51,18 +50,6 @@ def _canonical(order) -> list[int]:
     order = list(order)
     k = order.index(0)
     return order[k:] + order[:k]
-
-
-def brute_force(cost: np.ndarray) -> tuple[list[int], tuple[float, float]]:
-    """Reference solver over all (n-1)! rings starting at node 0 (tests, n <= 9)."""
-    n = cost.shape[0]
-    best, best_cost = list(range(n)), ring_cost(range(n), cost)
-    for perm in itertools.permutations(range(1, n)):
-        order = [0, *perm]
-        c = ring_cost(order, cost)
-        if c < best_cost:
-            best, best_cost = order, c
-    return best, best_cost
 
 
 def _hamiltonian_exists(adj: list[int], n: int) -> bool:

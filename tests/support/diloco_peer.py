@@ -1,6 +1,6 @@
 """A DiLoCo peer process for the kill test (tests/test_diloco.py).
 
-Usage: python tests/diloco_peer.py MASTER SECRET NPEERS MODE T H VICTIM_AT
+Usage: python tests/support/diloco_peer.py MASTER SECRET NPEERS MODE T H VICTIM_AT
 Joins group 0, waits until NPEERS peers are accepted, trains T outer steps of H inner steps on the
 toy problem of diloco_util (data by its rank at the start), printing one JSON line per outer step
 (hash of θ_global and the outer state, world) and a final line with θ_global and the world of
@@ -56,9 +56,10 @@ def main():
                 start = dl.reducer.start
 
                 def start_and_die(tree, start=start):
-                    start(tree)
+                    pending = start(tree)
                     time.sleep(0.05)
                     os.kill(os.getpid(), signal.SIGKILL)
+                    return pending
 
                 dl.reducer.start = start_and_die
         dl.outer_step()

@@ -7,11 +7,11 @@ import sys
 # subcommand -> (module, function, one-line help). Each function takes argv (list[str]) and
 # returns an exit status.
 COMMANDS = {
-    "launch": ("jaxodc.launch", "main", "start N ranks of a script (torchrun-like)"),
-    "demo": ("jaxodc.train.demo", "main", "train the small LM with ODC vs collective on 2 ranks"),
-    "train": ("jaxodc.train.cli", "main", "train a model with the sharded trainer"),
-    "simulate": ("jaxodc.train.simulate", "main", "bubble-rate simulator for a length distribution"),
-    "bench": ("jaxodc.bench", "main", "benchmarks: primitives, train, allreduce"),
+    "launch": ("jaxodc.launch.launcher", "main", "start N ranks of a script (torchrun-like)"),
+    "demo": ("jaxodc.cli.demo", "main", "train the small LM with ODC vs collective on 2 ranks"),
+    "train": ("jaxodc.cli.train", "main", "train a model with the sharded trainer"),
+    "simulate": ("jaxodc.cli.simulate", "main", "bubble-rate simulator for a length distribution"),
+    "bench": ("jaxodc.cli.bench", "main", "benchmarks: primitives, train, allreduce"),
     "master": ("jaxodc.coord.service", "main", "run the coordination service standalone"),
 }
 

@@ -1,0 +1,275 @@
+"""The FSDP core both sharded trainers share (comm="collective" in collective.py, comm="odc" in
+odc.py): unit stages, the microbatch gradient, the optimizer step on local shards, step results,
+the run-time checks every rank must agree on, and the minibatch loop.
+
+Parameters live only as fp32 shards per unit (units.py). One microbatch runs the model unit by unit;
+each unit's stage is `remat_stage(gather -> unflatten -> apply)`, so a unit is gathered right
+before its stage, dropped after it and gathered again in the backward pass (only a couple of
+gathered units are alive at once). `gather` is the only thing the communication mode changes.
+
+Loss of a microbatch = sum of per-token losses / global token count of the minibatch, so summing
+the microbatch gradients of all ranks gives the exact minibatch gradient however it was split.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import optax
+
+from jaxodc.balance.cost import CostModel
+from jaxodc.balance.packing import bucket, loss_tokens, pack
+from jaxodc.balance.plan import Plan, make_plan, validate_run
+from jaxodc.optim.clipping import global_reduction
+from jaxodc.train.metrics import MinibatchRecord, Progress
+from jaxodc.train.units import Layout, UnitSpec, unflatten_unit
+
+class ConfigMismatchError(ValueError):
+    """Ranks were configured differently (the message names each field and every rank's value)."""
+
+
+def check_same(allgather_bytes: Callable[[bytes], list[bytes]], config: Mapping[str, Any], rank: int,
+               what: str, error: type = ConfigMismatchError) -> None:
+    """Raises `error` on every rank unless all ranks pass the same `config`.
+
+    This is the one place where "do all ranks agree" is decided; the message names each differing
+    field and every rank's value.
+
+    Args:
+      allgather_bytes: every rank's bytes (index = rank); a trainer's, or a job context's.
+      config: msgpack-able values by field name.
+      rank: this rank.
+      what: what the fields describe, for the message.
+    """
+    values = [msgpack.unpackb(b) for b in allgather_bytes(msgpack.packb(dict(config)))]
+    diffs = []
+    for key in values[rank]:
+        vals = [v.get(key) for v in values]
+        if any(v != vals[0] for v in vals):
+            diffs.append(f"{key} (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals)) + ")")
+    if diffs:
+        raise error(f"rank {rank}: ranks disagree on the {what}: " + "; ".join(diffs))
+
+
+# gather(local_shard [Kp/W] fp32, spec, gather_arg) -> full unit [Kp], or the unit cut into its flat leaves
+# (spec.leaf_pieces()); differentiable, its VJP delivers the cotangent to the owners. gather_arg: per-call
+# traced data the comm needs (ODC: the version), or None.
+GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
+
+
+def remat_stage(fn: Callable) -> Callable:
+    """fn(shard, carry, batch, gather_arg) -> carry, with FSDP memory semantics.
+
+    Like jax.checkpoint (only the stage inputs are kept for the backward pass; the gathered unit
+    is recomputed there), plus ordering: a gather depends only on a parameter shard, so XLA is
+    free to hoist every unit's gather to the start of the program (it does, on CPU), keeping all
+    gathered units alive at once. Optimization barriers tie the forward gather to the previous
+    stage's output and the backward re-gather to the incoming cotangent, so at most a couple of
+    gathered units are alive at any time."""
+
+    @jax.custom_vjp
+    def stage(shard, carry, batch, gather_arg):
+        shard, carry = jax.lax.optimization_barrier((shard, carry))
+        return fn(shard, carry, batch, gather_arg)
+
+    def fwd(shard, carry, batch, gather_arg):
+        return stage(shard, carry, batch, gather_arg), (shard, carry, batch, gather_arg)
+
+    def bwd(res, ct):
+        shard, carry, batch, gather_arg = res
+        shard, carry, ct = jax.lax.optimization_barrier((shard, carry, ct))
+        _, vjp = jax.vjp(lambda s, c: fn(s, c, batch, gather_arg), shard, carry)
+        d_shard, d_carry = vjp(ct)
+        zeros = lambda t: jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
+            else jnp.zeros_like(x), t)
+        return d_shard, d_carry, zeros(batch), zeros(gather_arg)
+
+    stage.defvjp(fwd, bwd)
+    return stage
+
+
+def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: dict, global_tokens,
+                 gather_arg=None) -> jax.Array:
+    """Loss of one microbatch from local shards: each unit gathered inside its own remat'd stage."""
+    carry = None
+    for spec in layout.units:
+        def stage(shard, carry, batch, gather_arg, spec=spec):
+            return model.apply_unit(spec.name, unflatten_unit(spec, gather(shard, spec, gather_arg)), carry, batch)
+
+        carry = remat_stage(stage)(shards[spec.name], carry, batch, gather_arg)
+    return jnp.sum(carry) / global_tokens
+
+
+def microbatch_grad(model, layout: Layout, gather: GatherFn):
+    """fn(shards, batch, global_tokens, gather_arg) -> (loss, grads w.r.t. local shards)."""
+    return jax.value_and_grad(lambda s, b, n, c: sharded_loss(model, layout, gather, s, b, n, c))
+
+
+def optimizer_updates(optimizer: optax.GradientTransformation, shards, opt_state, grads,
+                      reduce_fn: Callable[[jax.Array], jax.Array]):
+    """(updates, new state) of the optimizer on local shards, `global_sum` bound to `reduce_fn`."""
+    with global_reduction(reduce_fn):
+        return optimizer.update(grads, opt_state, shards)
+
+
+def optimizer_step(optimizer: optax.GradientTransformation, shards, opt_state, grads,
+                   reduce_fn: Callable[[jax.Array], jax.Array]):
+    """(new shards, new state): `optimizer_updates` applied."""
+    upd, opt_state = optimizer_updates(optimizer, shards, opt_state, grads, reduce_fn)
+    return optax.apply_updates(shards, upd), opt_state
+
+
+@dataclass
+class StepResult:
+    """One minibatch on this rank. `loss`: global minibatch loss (sum over all ranks of token
+    losses / global tokens). Intervals are perf_counter seconds."""
+
+    version: int
+    loss: float
+    t_start: float
+    t_end: float
+    microbatches: list[tuple[float, float]] = field(default_factory=list)
+    opt: tuple[float, float] = (0.0, 0.0)
+    ran: list[tuple[int, ...]] = field(default_factory=list)  # train_plan: sample indices per microbatch run here
+    # Process CPU seconds from t_start to t_end (every thread: compute, the ODC daemon's
+    # accumulation, transports): with one core per rank, wall - cpu is the time it sat blocked.
+    cpu: float = 0.0
+
+
+def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
+                     min_bucket: int | Sequence[int] | None = None, lockstep: bool = False) -> list[dict]:
+    """This rank's packed microbatches ([1, T] arrays) of a static plan. T = plan.max_tokens, or
+    with `min_bucket` the microbatch's bucket (packing.bucket); `lockstep` (collective) uses, for
+    step m, the largest bucket of any rank's m-th microbatch so all ranks agree on the shape.
+    `pad_to` appends all-padding microbatches (collective: equal counts on every rank)."""
+    if plan.balance == "lb_steal":
+        raise ValueError("an lb_steal plan is claimed at run time (iter_steal); only comm='odc' runs it")
+    mine = list(plan.ranks[rank])
+    if pad_to is not None:
+        if len(mine) > pad_to:
+            raise ValueError(f"rank {rank} has {len(mine)} microbatches > pad_to={pad_to}")
+        mine += [()] * (pad_to - len(mine))
+
+    def size(r, m):
+        mbs = plan.ranks[r]
+        return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, plan.max_tokens, min_bucket)
+
+    out = []
+    for m, mb in enumerate(mine):
+        if min_bucket is None:
+            T = plan.max_tokens
+        elif lockstep:
+            T = max(size(r, m) for r in range(plan.world))
+        else:
+            T = size(rank, m)
+        out.append(pack([samples[i] for i in mb], T).as_dict())
+    return out
+
+
+def plan_global_tokens(plan: Plan) -> int:
+    """Loss tokens of the whole minibatch (what every microbatch loss is divided by)."""
+    return loss_tokens(plan.lengths)
+
+
+class ShardedTrainer(abc.ABC):
+    """What both sharded trainers share: identity, a byte all-gather, checkpoints.
+
+    Subclasses set `comm`, `rank`, `world`, `layout`, `version` (minibatches done), `shards` and
+    `opt_state`, and implement `train_minibatch`, `train_plan`, `allgather_bytes`,
+    `local_shards`, `local_opt_state` and `load_local_state`.
+    """
+
+    comm: str
+    rank: int
+    world: int
+    layout: Layout
+    version: int
+
+    @abc.abstractmethod
+    def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
+        """One minibatch: this rank's microbatches, then the optimizer step."""
+
+    @abc.abstractmethod
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray],
+                   min_bucket: int | Sequence[int] | None = None) -> StepResult:
+        """One minibatch from a balancer's plan over `samples`."""
+
+    @abc.abstractmethod
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data` (index = rank). Collective: every rank calls it in the same order."""
+
+    def allgather_obj(self, obj) -> list:
+        """Every rank's msgpack-able `obj` (index = rank); collective."""
+        return [msgpack.unpackb(b) for b in self.allgather_bytes(msgpack.packb(obj))]
+
+    def check_same(self, config: Mapping[str, Any], what: str) -> None:
+        """Raises ConfigMismatchError on every rank unless all ranks pass the same `config`."""
+        check_same(self.allgather_bytes, config, self.rank, what)
+
+    @abc.abstractmethod
+    def local_shards(self) -> dict[str, np.ndarray]:
+        """This rank's fp32 parameter shards, as host copies."""
+
+    @abc.abstractmethod
+    def local_opt_state(self):
+        """This rank's optimizer state, as host arrays."""
+
+    @abc.abstractmethod
+    def load_local_state(self, shards: dict, opt_state, version: int) -> None:
+        """Replace this rank's shards, optimizer state and step (all ranks together)."""
+
+    def save(self, path: str) -> str:
+        """Writes a checkpoint (jaxodc.train.checkpoint); all ranks call it together.
+
+        Returns:
+          The manifest's path.
+        """
+        from jaxodc.train.checkpoint import save
+        return save(self, path)
+
+    def restore(self, path: str) -> int:
+        """Loads a checkpoint of the same world, layout and optimizer-state structure.
+
+        Returns:
+          The restored step.
+        """
+        from jaxodc.train.checkpoint import restore
+        return restore(self, path)
+
+    def close(self, barrier: bool = True) -> None:
+        """Releases what the trainer owns (the ODC runtime, when it started one)."""
+
+
+def train_loop(trainer: ShardedTrainer, samples, minibatch_indices: Iterable[Sequence[int]], balance: str, max_tokens: int,
+               cost=None, progress: bool = False, estimate_busy: bool = False,
+               min_bucket: int | Sequence[int] | None = None) -> list:
+    """Run `trainer` (collective or ODC) over global minibatches (each a sequence of indices into
+    `samples`, the same on every rank), planning each with `balance`. Returns this rank's
+    metrics.MinibatchRecord list. `estimate_busy` (collective): set each record's busy time to
+    the cost model's prediction (cost in seconds, e.g. from calibrate(ReferenceTrainer.timing_fn))
+    plus the optimizer time, because the measured microbatch intervals include collective waits.
+    `min_bucket`: bucketed microbatch shapes (packing.bucket), so compute follows the content."""
+    cost = cost or CostModel()
+    validate_run(trainer.comm, balance)
+    batches = [list(map(int, b)) for b in minibatch_indices]
+    bar = Progress(len(batches), f"{trainer.comm}+{balance}", enabled=progress and trainer.rank == 0)
+    records = []
+    for idx in batches:
+        sub = [samples[i] for i in idx]
+        plan = make_plan(balance, [len(x) for x in sub], trainer.world, max_tokens, cost)
+        res = trainer.train_plan(plan, sub, min_bucket=min_bucket)
+        mine = [i for mb in res.ran for i in mb]
+        rec = MinibatchRecord.from_result(res, trainer.rank, len(mine), sum(plan.lengths[i] for i in mine),
+                                          trainer.comm, balance)
+        if estimate_busy:
+            rec.busy_s = sum(cost.microbatch([plan.lengths[i] for i in mb]) for mb in res.ran) + (res.opt[1] - res.opt[0])
+        records.append(rec)
+        bar.update(loss=res.loss)
+    return records
+

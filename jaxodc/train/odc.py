@@ -1,0 +1,288 @@
+"""comm="odc": the sharded trainer over the ODC runtime. Gathers read the owners' shards one-sided;
+the backward pass pushes each unit's gradient to its owners (scatter-accumulate); each rank runs its
+own number of microbatches and no global barrier separates minibatches."""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import io_callback
+
+from jaxodc.balance.packing import bucket, pack
+from jaxodc.balance.plan import Plan, iter_steal
+from jaxodc.ops import odc_gather, odc_gather_pieces
+from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, optimizer_step,
+                               optimizer_updates, plan_global_tokens)
+from jaxodc.train.units import make_layout, shard_params
+
+
+class OdcRuntime(Protocol):
+    """What comm="odc" needs from the ODC runtime; `jaxodc.odc.Runtime` satisfies it.
+
+    Units are addressed by `UnitSpec.index`. Version v is the minibatch being computed; the shards
+    published with version v are the parameters minibatch v reads."""
+
+    rank: int
+    world: int
+
+    def publish(self, unit: int, shard: np.ndarray, version: int) -> None:
+        """Make my shard of `unit` readable by gathers of `version` (v=0: initial parameters)."""
+
+    def done(self, version: int) -> None:
+        """All my pushes for minibatch `version` are issued (sent to every owner)."""
+
+    def wait_complete(self, version: int) -> None:
+        """Block until every rank's pushes of `version` are accumulated into my shards' gradients."""
+
+    def fetch_grad(self, unit: int) -> np.ndarray:
+        """Summed gradient of my shard of `unit` (fp32 [padded/world]); resets the accumulator."""
+
+    def allgather_scalar(self, version: int, x: float) -> np.ndarray:
+        """Every rank's x for this version, as float64 [world]; calls happen in the same order on
+        every rank (the optimizer's global sums, then the loss)."""
+
+    def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
+        """LB-Steal (balance.ClaimFn): one of `owner`'s `count` microbatches of minibatch
+        `version`, the front for the owner, the back for a thief; -1 when none is left."""
+
+    def master_view(self, unit: int) -> np.ndarray | None:
+        """My master shard as a writable host array (the zero-copy owner path), or None."""
+
+    def grad_view(self, unit: int) -> np.ndarray:
+        """fetch_grad without the copy: valid until clear_grad(unit)."""
+
+    def clear_grad(self, unit: int) -> None:
+        """Reset the gradient lent by grad_view (before publishing the next version)."""
+
+    def publish_in_place(self, unit: int, version: int) -> None:
+        """Announce `version` of the master shard written in place through master_view."""
+
+    def close(self, barrier: bool = True) -> None:
+        """Shut the runtime down (all ranks together unless barrier=False)."""
+
+
+def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = None) -> GatherFn:
+    """The trainer's gather over an ODC runtime (`jaxodc.ops.odc_gather`).
+
+    Args:
+      runtime: the `jaxodc.odc.Runtime` whose units are the layout's units, registered padded.
+      compute_dtype: the dtype the unit travels in; cast back to fp32 after the copy.
+      per_leaf: push each parameter's gradient on its own (`odc_gather_pieces`), never
+        concatenating a unit's gradient (default: on the CPU backend, where range pushes exist).
+
+    Returns:
+      gather(shard, spec, version) -> the unit, flat or cut into its leaves.
+    """
+    per_leaf = jax.default_backend() == "cpu" if per_leaf is None else bool(per_leaf)
+    f32 = lambda x: x.astype(jnp.float32) if x.dtype != jnp.float32 else x  # noqa: E731
+
+    def gather(shard, spec, version):
+        if per_leaf:
+            return tuple(f32(x) for x in odc_gather_pieces(shard, version, unit=spec.index, numel=spec.padded,
+                                                           pieces=spec.leaf_pieces(), dtype=compute_dtype))
+        return f32(odc_gather(shard, version, unit=spec.index, numel=spec.padded, dtype=compute_dtype))
+
+    return gather
+
+
+def _aliases(a: jax.Array, host: np.ndarray) -> bool:
+    """Whether jax array `a` lives in `host`'s memory (a zero-copy view of it)."""
+    try:
+        return a.unsafe_buffer_pointer() == host.ctypes.data
+    except Exception:  # noqa: BLE001 -- not a single-device buffer, or a platform without pointers
+        return False
+
+
+class OdcTrainer(ShardedTrainer):
+    """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
+    including zero) -> done(v) -> wait_complete(v) -> fetch_grad per unit -> optimizer on local
+    shards (global sums via allgather_scalar) -> publish(unit, new shard, v+1).
+
+    Args:
+      model: a unit-staged model (`unit_names`, `apply_unit`).
+      optimizer: any Optax transformation; it runs on the local shards.
+      params: the full initial parameters, the same on every rank.
+      runtime: the ODC runtime (`jaxodc.odc.Runtime` across processes).
+      gather: how a unit is gathered inside jit; default `odc_gather_fn(runtime)`.
+      owns_runtime: close the runtime when the trainer is closed.
+    """
+
+    comm = "odc"
+
+    def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
+                 gather: GatherFn | None = None, owns_runtime: bool = False):
+        self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
+        self.world, self.rank = runtime.world, runtime.rank
+        self.layout = make_layout(params, self.world, order=model.unit_names)
+        shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
+        self.opt_state = optimizer.init(shards)
+        grad_fn = microbatch_grad(model, self.layout, gather or odc_gather_fn(runtime))
+        def mb_step(s, b, n, v):
+            # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
+            # returned so the backward pass stays live and ordered before the result, without
+            # materialising shard-sized zeros every microbatch (the pushes themselves are
+            # side-effecting custom calls, never dropped).
+            loss, g = grad_fn(s, b, n, v)
+            return loss, sum(x[0] for x in jax.tree_util.tree_leaves(g))
+
+        self._mb_step = jax.jit(mb_step)
+
+        def reduce_fn(version):
+            # An ordered io_callback: the exchange has side effects and every rank must make the
+            # same calls in the same order, so XLA may neither merge, drop nor reorder them.
+            def f(x):
+                cb = lambda v, y: np.float32(np.sum(runtime.allgather_scalar(int(v), float(y))))
+                return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
+            return f
+
+        self._masters = self._master_views()
+        if self._masters is None:
+            # Shards and state donated: otherwise old and new coexist.
+            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
+                                     donate_argnums=(0, 1))
+        else:
+            # The shards are the runtime's masters, memory XLA does not own and cannot write: the
+            # step returns the updates, which _optimize adds into the masters in place, so the
+            # optimizer phase holds no second copy of the shards.
+            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_updates(optimizer, s, st, g, reduce_fn(v)),
+                                     donate_argnums=(1,))
+        self.version = 0
+        # Runtime versions count minibatches of this runtime; after restore the trainer's step
+        # (self.version) runs ahead of them by this offset (see load_local_state).
+        self._rt_base = 0
+        self._publish(shards, 0)
+
+    def _master_views(self) -> list[np.ndarray] | None:
+        """The runtime's master shards, when jax can use them as its own arrays without a copy
+        (host memory on the CPU backend); then the trainer keeps no second copy of its shards."""
+        views = [self.rt.master_view(u.index) for u in self.layout.units]
+        if any(v is None for v in views):
+            return None
+        probe = jax.device_put(views[0])
+        return views if _aliases(probe, views[0]) else None
+
+    def _publish(self, shards: dict, version: int) -> None:
+        """Make `shards` readable by gathers of runtime `version` and the trainer's current
+        shards. A shard already in the runtime's master (updated in place) is announced, not copied."""
+        for u in self.layout.units:
+            a = shards[u.name]
+            if self._masters is not None and _aliases(a, self._masters[u.index]):
+                self.rt.publish_in_place(u.index, version)
+            else:
+                self.rt.publish(u.index, np.asarray(a), version)
+        if self._masters is not None:
+            shards = {u.name: jax.device_put(self._masters[u.index]) for u in self.layout.units}
+        self.shards = shards
+
+    def _optimize(self, grads: dict, ver: jax.Array) -> dict:
+        """The new shards. With the runtime's masters as shards they are the masters themselves,
+        updated in place (every rank's pushes of this version have landed, so no gather reads
+        them until the next version is announced)."""
+        out, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
+        jax.block_until_ready((out, self.opt_state))
+        if self._masters is None:
+            return out
+        for u in self.layout.units:  # optax.apply_updates, in place: shard + update, in fp32
+            master = self._masters[u.index]
+            np.add(master, np.asarray(out.pop(u.name)), out=master, casting="same_kind")
+        return self.shards
+
+    def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
+        step, v = self.version, self.version - self._rt_base  # v: runtime version
+        if global_tokens <= 0:
+            raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
+        res, cpu0 = StepResult(step, 0.0, time.perf_counter(), 0.0), time.process_time()
+        ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
+        loss = 0.0
+        for mb in microbatches:
+            t0 = time.perf_counter()
+            l, _ = self._mb_step(self.shards, {k: jnp.asarray(x) for k, x in mb.items()}, ntok, ver)
+            loss += float(l)
+            res.microbatches.append((t0, time.perf_counter()))
+        self.rt.done(v)
+        self.rt.wait_complete(v)
+        t0 = time.perf_counter()
+        # The gradients are read where they accumulated (no copy on the CPU backend) ...
+        grads = {u.name: jax.device_put(self.rt.grad_view(u.index)) for u in self.layout.units}
+        shards = self._optimize(grads, ver)
+        del grads
+        # ... and cleared before the next version is announced: peers push into them right after.
+        for u in self.layout.units:
+            self.rt.clear_grad(u.index)
+        self._publish(shards, v + 1)
+        res.opt = (t0, time.perf_counter())
+        res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
+        res.t_end, res.cpu = time.perf_counter(), time.process_time() - cpu0
+        self.version = step + 1
+        return res
+
+    def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
+        """Static plans: my microbatches, no padding. lb_steal: my deque, then steals (iter_steal).
+        `min_bucket`: each microbatch packed to its own bucket (packing.bucket)."""
+        if plan.world != self.world:
+            raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
+        ran: list[tuple[int, ...]] = []
+        if plan.balance == "lb_steal":
+            claims = iter_steal(plan, self.rank, self.rt.claim, self.version - self._rt_base)
+        else:
+            claims = iter(plan.ranks[self.rank])
+
+        def packed():
+            for mb in claims:
+                ran.append(mb)
+                T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
+                yield pack([samples[i] for i in mb], T).as_dict()
+
+        res = self.train_minibatch(packed(), plan_global_tokens(plan))
+        res.ran = ran
+        return res
+
+    def local_shards(self) -> dict[str, np.ndarray]:
+        # Copies: the shards may be the runtime's masters, which the next minibatch rewrites.
+        return {n: np.array(a, np.float32) for n, a in self.shards.items()}
+
+    def local_opt_state(self):
+        return jax.tree_util.tree_map(np.asarray, self.opt_state)
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes through the runtime's scalar all-gather: the length, then 6 bytes per
+        float64 (exact below 2**53). Every rank must make the same calls in the same order."""
+        rv = self.version - self._rt_base
+        n = [int(x) for x in self.rt.allgather_scalar(rv, float(len(data)))]
+        words = -(-max(n) // 6)
+        padded = data.ljust(6 * words, b"\0")
+        got = [self.rt.allgather_scalar(rv, float(int.from_bytes(padded[6 * i:6 * i + 6], "little")))
+               for i in range(words)]
+        return [b"".join(int(got[i][r]).to_bytes(6, "little") for i in range(words))[:n[r]]
+                for r in range(self.world)]
+
+    def load_local_state(self, shards: dict, opt_state, version: int) -> None:
+        """Replace this rank's shards, optimizer state and step, and publish the shards so
+        gathers of the restored step read them. Every rank calls it together, between
+        minibatches: it closes the runtime's current minibatch with no pushes (done ->
+        wait_complete) and publishes at the next runtime version, which becomes the runtime
+        version of step `version` (runtime versions only move forward)."""
+        rv = self.version - self._rt_base
+        new_shards = {n: jnp.asarray(np.asarray(shards[n], np.float32)) for n in self.layout.names}
+        self.opt_state = jax.tree_util.tree_map(lambda cur, x: jnp.asarray(np.asarray(x, cur.dtype)),
+                                                self.opt_state, opt_state)
+        self.rt.done(rv)
+        self.rt.wait_complete(rv)
+        for u in self.layout.units:
+            g = np.asarray(self.rt.fetch_grad(u.index))
+            if np.any(g != 0):
+                raise RuntimeError(f"rank {self.rank}: unit {u.name!r} received gradients for minibatch {rv} "
+                                   "while restoring; every rank must restore between minibatches, together")
+        self._publish(new_shards, rv + 1)
+        self.version = int(version)
+        self._rt_base = self.version - (rv + 1)
+
+    def close(self, barrier: bool = True) -> None:
+        """Closes the runtime when this trainer started it (all ranks together unless barrier=False)."""
+        if self._owns_runtime:
+            self._owns_runtime = False
+            self.rt.close(barrier=barrier)
