@@ -304,3 +304,25 @@ def test_master_cli_standalone(tmp_path):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def test_blocking_framing_errors():
+    """One framing for the service's clients and the rendezvous: a hang-up between frames is
+    ConnectionClosed, anything else that breaks the stream is a ProtocolError."""
+    a, b = socket.socketpair()
+    with a, b:
+        P.send_frame(a, {"t": "hb"})
+        a.sendall(P.pack({"op": "set"}) + P.HEADER.pack(100) + b"short")
+        a.shutdown(socket.SHUT_WR)
+        assert P.recv_frame(b) == {"t": "hb"}
+        with pytest.raises(P.ProtocolError, match="no string message type"):
+            P.recv_frame(b)
+        with pytest.raises(P.ProtocolError, match="closed inside a 100-byte frame"):
+            P.recv_frame(b, typed=False)
+        with pytest.raises(P.ConnectionClosed):
+            P.recv_frame(b)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(P.HEADER.pack(P.MAX_FRAME + 1))
+        with pytest.raises(P.FrameTooLarge):
+            P.recv_frame(b)

@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 from harness import run_ranks
-from jaxodc.dist import free_port
-from jaxodc.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from jaxodc.launch.context import free_port
+from jaxodc.launch.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def _frame(obj_bytes: bytes) -> bytes:
 
 
 def test_garbage_closes_connection_not_server(server, caplog):
-    caplog.set_level(logging.WARNING, logger="jaxodc.rendezvous")
+    caplog.set_level(logging.WARNING, logger="jaxodc.launch.rendezvous")
     with RendezvousClient(server.address, 0, timeout_s=5) as keep:
         keep.set("before", b"1")
         garbage = [

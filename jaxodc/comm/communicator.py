@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxodc.comm import shared_state as ss
 from jaxodc.coord import protocol as P
+from jaxodc.coord.protocol import ErrorKind, Msg
 
 log = logging.getLogger("jaxodc.comm")
 
@@ -60,7 +61,8 @@ class MasterUnavailable(CommError):
 
 RETRYABLE = (CollectiveAborted, TopologyStale)
 
-_ERROR_KINDS = {"aborted": CollectiveAborted, "stale": TopologyStale, "not_accepted": NotAccepted}
+_ERROR_KINDS = {ErrorKind.ABORTED: CollectiveAborted, ErrorKind.STALE: TopologyStale,
+                ErrorKind.NOT_ACCEPTED: NotAccepted}
 
 
 class _Waiter:
@@ -248,18 +250,18 @@ class Communicator:
                 msg = P.recv_frame(self._sock)
                 self._last_recv = time.monotonic()
                 t = msg["t"]
-                if t == "reply":
+                if t == Msg.REPLY:
                     w = self._waiters.pop(msg.get("rid"), None)
                     if w is not None:
                         w.value = msg
                         w.event.set()
-                elif t == "abort":
+                elif t == Msg.ABORT:
                     self._abort_reason = str(msg.get("reason"))
                     self._abort_count += 1
                     log.info("%s: abort from the service: %s", self._who(), msg.get("reason"))
                     if self.ep is not None:
                         self.ep.abort()
-                elif t == "measure":
+                elif t == Msg.MEASURE:
                     threading.Thread(target=self._measure, args=(msg,), daemon=True).start()
         except (OSError, ConnectionError, P.ProtocolError) as e:
             self._mark_dead(str(e) or type(e).__name__)
@@ -272,7 +274,7 @@ class Communicator:
             if self._dead:
                 return
             try:
-                self._send({"t": "hb"})
+                self._send({"t": Msg.HEARTBEAT})
             except MasterUnavailable:
                 return
             if time.monotonic() - self._last_recv > limit:
@@ -286,15 +288,15 @@ class Communicator:
     def _measure(self, msg: dict) -> None:
         try:
             bw = float(self.ep.measure_bandwidth(msg["peer"], int(msg["nbytes"])))
-            reply = {"t": "measured", "mid": msg["mid"], "ok": True, "bw": bw}
+            reply = {"t": Msg.MEASURED, "mid": msg["mid"], "ok": True, "bw": bw}
         except Exception as e:
-            reply = {"t": "measured", "mid": msg["mid"], "ok": False, "reason": f"{type(e).__name__}: {e}"}
+            reply = {"t": Msg.MEASURED, "mid": msg["mid"], "ok": False, "reason": f"{type(e).__name__}: {e}"}
         try:
             self._send(reply)
         except MasterUnavailable:
             pass
 
-    def _request(self, what: str, t: str, timeout_s: float | None = None, **fields) -> dict:
+    def _request(self, what: str, t: Msg, timeout_s: float | None = None, **fields) -> dict:
         rid = next(self._rids)
         w = _Waiter()
         self._waiters[rid] = w
@@ -323,7 +325,7 @@ class Communicator:
 
     def are_peers_pending(self) -> bool:
         """Consensus: the same answer at every accepted peer of the group; may overlap collectives."""
-        return bool(self._request("are_peers_pending", "pending")["pending"])
+        return bool(self._request("are_peers_pending", Msg.PENDING)["pending"])
 
     def update_topology(self, accept_new: bool = True, timeout_s: float | None = None) -> None:
         """Vote (accept_new) on pending peers and install the group's ring when it changed.
@@ -335,7 +337,7 @@ class Communicator:
         while True:
             attempts += 1
             try:
-                r = self._request("update_topology", "topo", timeout_s=timeout_s, accept_new=accept_new)
+                r = self._request("update_topology", Msg.TOPO, timeout_s=timeout_s, accept_new=accept_new)
                 self.accepted = True
                 if r["changed"]:
                     self._install_ring(r)
@@ -357,7 +359,7 @@ class Communicator:
         except Exception as e:
             ok, reason = False, f"{type(e).__name__}: {e}"
             log.info("%s: connecting ring epoch %d failed: %s", self._who(), epoch, reason)
-        self._request(f"ring connect (epoch {epoch})", "topo_done", op=r["op"], ok=ok, reason=reason)
+        self._request(f"ring connect (epoch {epoch})", Msg.TOPO_DONE, op=r["op"], ok=ok, reason=reason)
         self._ring, self._rank, self._epoch = ring, rank, epoch
 
     def optimize_topology(self, nbytes: int | None = None) -> dict:
@@ -365,7 +367,7 @@ class Communicator:
         service, and return {improved, ring, bottleneck, previous_bottleneck, peers, bandwidth}.
         An improved ring is installed at the next update_topology."""
         self._await_inflight()
-        r = self._request("optimize_topology", "optimize", timeout_s=self.timeout_s * 4, nbytes=nbytes)
+        r = self._request("optimize_topology", Msg.OPTIMIZE, timeout_s=self.timeout_s * 4, nbytes=nbytes)
         return {k: r[k] for k in ("improved", "ring", "bottleneck", "previous_bottleneck", "peers", "bandwidth")}
 
     # --- collectives ----------------------------------------------------------------------------
@@ -406,7 +408,7 @@ class Communicator:
     def _all_reduce(self, x: np.ndarray, op: str, quantize, tag: int, out) -> np.ndarray:
         from jaxodc.comm.ring import RingAborted
         what = f"all-reduce tag {tag} ({x.dtype}{list(x.shape)}, {op})"
-        r = self._request(f"open {what}", "open", tag=tag, epoch=self._epoch, nbytes=int(x.nbytes))
+        r = self._request(f"open {what}", Msg.OPEN, tag=tag, epoch=self._epoch, nbytes=int(x.nbytes))
         aborts = self._abort_count
         src = np.ascontiguousarray(x)
         res = np.empty_like(src)
@@ -423,14 +425,14 @@ class Communicator:
         if err is not None:
             if self._abort_count == aborts:  # local failure: tell the service so everyone aborts
                 try:
-                    self._request(f"close {what}", "close", tag=tag, op=r["op"], ok=False,
+                    self._request(f"close {what}", Msg.CLOSE, tag=tag, op=r["op"], ok=False,
                                   reason=f"{type(err).__name__}: {err}")
                 except (CommError, TimeoutError):
                     pass
             why = (f"aborted by the service ({self._abort_reason})" if self._abort_count != aborts
                    else f"{type(err).__name__}: {err}")
             raise CollectiveAborted(f"{self._who()}: {what} failed: {why}") from err
-        self._request(f"close {what}", "close", tag=tag, op=r["op"], ok=True)
+        self._request(f"close {what}", Msg.CLOSE, tag=tag, op=r["op"], ok=True)
         if out is not None:
             np.copyto(out, res)
             return out
@@ -466,7 +468,7 @@ class Communicator:
         fetched: dict[str, np.ndarray] = {}
         nrecv = 0
         try:
-            r = self._request(f"shared-state sync (revision {revision})", "sync", revision=int(revision),
+            r = self._request(f"shared-state sync (revision {revision})", Msg.SYNC, revision=int(revision),
                               hashes=hashes, strategy=strategy)
             if r.get("rejected"):
                 log.warning("%s: shared-state sync: %s", self._who(), r["rejected"])
@@ -477,7 +479,7 @@ class Communicator:
                 fetched, nrecv = self._fetch(r["fetch"], {k: int(h) for k, h in r["expected"].items()}, r["op"])
             except Exception as e:
                 ok, reason = False, f"{type(e).__name__}: {e}"
-            self._request(f"shared-state sync completion (revision {revision})", "sync_done",
+            self._request(f"shared-state sync completion (revision {revision})", Msg.SYNC_DONE,
                           op=r["op"], ok=ok, reason=reason)
             if not ok:
                 raise CollectiveAborted(f"{self._who()}: shared-state fetch failed: {reason}")

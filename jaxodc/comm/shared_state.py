@@ -15,10 +15,11 @@ import threading
 import numpy as np
 
 from jaxodc.coord import protocol as P
+from jaxodc.coord.protocol import Msg
 
 log = logging.getLogger("jaxodc.comm.shared_state")
 
-STRATEGIES = ("enforce_popular", "send_only", "receive_only")
+STRATEGIES = tuple(s.value for s in P.Strategy)
 
 
 @dataclasses.dataclass
@@ -132,7 +133,7 @@ class SharedStateServer:
             P.server_handshake(conn, self.secret)
             while not self._closed.is_set():
                 req = P.recv_frame(conn)
-                if req.get("t") != "get" or not isinstance(req.get("keys"), list):
+                if req.get("t") != Msg.GET or not isinstance(req.get("keys"), list):
                     log.warning("shared-state server %s: dropped frame of type %r from %s",
                                 self.address, req.get("t"), addr)
                     continue
@@ -152,15 +153,15 @@ class SharedStateServer:
         # The sync id is only known after the service's answer, and a fast fetcher may ask before
         # this peer has read it: serve whatever is published; the fetcher checks every hash.
         if state is None:
-            P.send_frame(conn, {"t": "error", "reason": f"no shared state published (sync {req.get('sync')!r})"})
+            P.send_frame(conn, P.refusal(f"no shared state published (sync {req.get('sync')!r})"))
             return
         missing = [k for k in req["keys"] if k not in state]
         if missing:
-            P.send_frame(conn, {"t": "error", "reason": f"keys not held here: {missing[:5]}"})
+            P.send_frame(conn, P.refusal(f"keys not held here: {missing[:5]}"))
             return
         for k in req["keys"]:
             a = state[k]
-            P.send_frame(conn, {"t": "array", "key": k, "dtype": _dtype_name(a.dtype),
+            P.send_frame(conn, {"t": Msg.ARRAY, "key": k, "dtype": _dtype_name(a.dtype),
                                 "shape": list(a.shape), "nbytes": a.nbytes})
             if a.nbytes:
                 conn.sendall(memoryview(a.reshape(-1).view(np.uint8)))
@@ -174,12 +175,12 @@ def fetch_keys(address: str, secret: bytes, sync_id, keys: list[str], timeout_s:
     out, nbytes = {}, 0
     with socket.create_connection((host, port), timeout=timeout_s) as s:
         P.client_handshake(s, secret, {})
-        P.send_frame(s, {"t": "get", "sync": sync_id, "keys": list(keys)})
+        P.send_frame(s, {"t": Msg.GET, "sync": sync_id, "keys": list(keys)})
         for k in keys:
             head = P.recv_frame(s)
-            if head.get("t") == "error":
+            if head.get("t") == Msg.ERROR:
                 raise ConnectionError(f"peer {address} refused key {k!r}: {head.get('reason')}")
-            if head.get("t") != "array" or head.get("key") != k:
+            if head.get("t") != Msg.ARRAY or head.get("key") != k:
                 raise P.ProtocolError(f"peer {address} answered {head.get('t')!r}/{head.get('key')!r} for key {k!r}")
             a = np.empty(tuple(head["shape"]), dtype=_dtype_from(head["dtype"]))
             if a.nbytes != head["nbytes"]:

@@ -1,12 +1,12 @@
-"""Wire format of the coordination service and the peer-to-peer shared-state server.
-
-Every frame is a 4-byte big-endian length followed by a msgpack map with a string field ``"t"``
-(the message type). Both ends authenticate each other with a shared secret by HMAC-SHA256
-challenge-response over fresh nonces: the secret itself never travels.
+"""Wire format of the coordination service, its peers, the shared-state server and the launch
+rendezvous: a 4-byte big-endian length, then a msgpack map. Coordination frames carry their type
+`Msg` in the field ``"t"``; both ends authenticate by HMAC-SHA256 challenge-response over fresh
+nonces, so the shared secret never travels. docs/coord.md describes the exchanges.
 """
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import hmac
 import os
@@ -23,6 +23,66 @@ PROTOCOL_VERSION = 1
 NONCE_BYTES = 32
 
 
+class Msg(enum.StrEnum):
+    """Message types: the ``"t"`` field of every coordination and shared-state frame."""
+    # handshake, on every authenticated connection
+    CHALLENGE = "challenge"  # server -> client: protocol version and a fresh nonce
+    AUTH = "auth"            # client -> server: HMAC over both nonces, plus the client's hello fields
+    WELCOME = "welcome"      # server -> client: the server's HMAC (mutual authentication), plus fields
+    ERROR = "error"          # server -> client: a refusal with a reason
+    # peer -> service; a request carries "rid", answered by exactly one REPLY with that rid
+    HEARTBEAT = "hb"         # liveness, no rid; the service echoes it so the peer sees the service alive
+    PENDING = "pending"      # request: are registered peers waiting? (same answer at every peer)
+    TOPO = "topo"            # request: vote on newcomers, get the group's ring (installing a new one)
+    TOPO_DONE = "topo_done"  # request: this peer connected (ok) or failed to connect the new ring
+    OPEN = "open"            # request: vote to start the collective of a tag on a ring epoch
+    CLOSE = "close"          # request: vote that the collective completed (ok) or failed here
+    SYNC = "sync"            # request: vote to sync shared state, with this peer's revision and hashes
+    SYNC_DONE = "sync_done"  # request: this peer fetched (ok) or failed to fetch its differing keys
+    OPTIMIZE = "optimize"    # request: vote to measure every link and solve for a faster ring
+    MEASURED = "measured"    # result of a MEASURE push, matched by its "mid"; no rid
+    # service -> peer
+    REPLY = "reply"          # the answer to request "rid": ok=True with results, or kind + reason
+    ABORT = "abort"          # a peer failed: abort the listed collective tags now
+    MEASURE = "measure"      # probe the bandwidth to another peer's ring endpoint
+    # shared-state server, peer to peer
+    GET = "get"              # fetch these keys
+    ARRAY = "array"          # header of one key; its raw bytes follow the frame
+
+
+class ErrorKind(enum.StrEnum):
+    """Why a request failed: the ``"kind"`` of a REPLY with ok=False."""
+    ERROR = "error"                # the request is invalid
+    ABORTED = "aborted"            # the operation failed at some peer; retry after update_topology
+    STALE = "stale"                # the ring no longer matches the group; call update_topology
+    BUSY = "busy"                  # another operation of the group runs
+    NOT_ACCEPTED = "not_accepted"  # the peer is registered but not yet voted into its group
+
+
+class Strategy(enum.StrEnum):
+    """Shared-state sync strategies (the ``"strategy"`` of a SYNC request)."""
+    ENFORCE_POPULAR = "enforce_popular"  # offer this state, adopt the popular one
+    SEND_ONLY = "send_only"              # offer this state, never change it
+    RECEIVE_ONLY = "receive_only"        # offer nothing, adopt the popular state
+
+
+# What a peer tells the service in its auth frame: its group and where its servers listen.
+HELLO_FIELDS = {"group": int, "ring_addr": str, "ss_addr": str}
+# Fields every message from a peer to the service must carry, checked before it acts on one.
+PEER_MESSAGE_FIELDS: dict[Msg, dict[str, type]] = {
+    Msg.HEARTBEAT: {},
+    Msg.MEASURED: {"mid": int},
+    Msg.PENDING: {"rid": int},
+    Msg.TOPO: {"rid": int},
+    Msg.TOPO_DONE: {"rid": int, "op": int},
+    Msg.OPEN: {"rid": int, "tag": int, "epoch": int},
+    Msg.CLOSE: {"rid": int, "tag": int, "op": int},
+    Msg.SYNC: {"rid": int, "revision": int, "hashes": dict},
+    Msg.SYNC_DONE: {"rid": int, "op": int},
+    Msg.OPTIMIZE: {"rid": int},
+}
+
+
 class ProtocolError(Exception):
     """A frame that cannot be decoded or does not follow the protocol."""
 
@@ -32,61 +92,121 @@ class AuthError(ProtocolError):
 
 
 class FrameTooLarge(ProtocolError):
-    """The length prefix announces more than MAX_FRAME bytes: the stream cannot be resynced."""
+    """The length prefix announces more than the limit: the stream cannot be resynced."""
+
+
+class ConnectionClosed(ConnectionError):
+    """The other side closed the connection before all expected bytes arrived."""
 
 
 def pack(obj: dict) -> bytes:
+    """Encode one frame.
+
+    Args:
+        obj: the msgpack map to send.
+    Returns:
+        The length prefix and the body.
+    """
     body = msgpack.packb(obj, use_bin_type=True)
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> dict:
-    """Decode one frame body; raises ProtocolError with the reason for anything malformed."""
+def decode(body: bytes, typed: bool = True) -> dict:
+    """Decode one frame body.
+
+    Args:
+        body: the bytes after the length prefix.
+        typed: require a string message type ``"t"`` (coordination frames; the rendezvous has none).
+    Returns:
+        The map.
+    Raises:
+        ProtocolError: naming what is malformed.
+    """
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise ProtocolError(f"undecodable msgpack body ({len(body)} bytes): {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame is a {type(obj).__name__}, expected a map")
-    if not isinstance(obj.get("t"), str):
+    if typed and not isinstance(obj.get("t"), str):
         raise ProtocolError("frame has no string message type 't'")
     return obj
 
 
 def check_length(n: int, max_frame: int = MAX_FRAME) -> None:
+    """Raise FrameTooLarge if a length prefix announces more than max_frame bytes."""
     if n > max_frame:
         raise FrameTooLarge(f"frame length {n} exceeds the limit of {max_frame} bytes")
+
+
+def check_fields(frame: dict, fields: dict[str, type]) -> None:
+    """Raise ProtocolError naming the first of ``fields`` (name -> type) the frame lacks."""
+    for name, typ in fields.items():
+        if not isinstance(frame.get(name), typ):
+            raise ProtocolError(f"{frame.get('t')!r} frame lacks {name!r} of type {typ.__name__}")
 
 
 # --- asyncio side (service) --------------------------------------------------------------------
 
 async def read_body(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> bytes:
-    head = await reader.readexactly(HEADER.size)
-    (n,) = HEADER.unpack(head)
+    """Read one frame body from a stream.
+
+    Returns:
+        The undecoded body (the caller decodes it, so a bad body need not end the stream).
+    Raises:
+        FrameTooLarge: the prefix announces more than max_frame bytes.
+        asyncio.IncompleteReadError: the stream ended inside a frame.
+    """
+    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
     check_length(n, max_frame)
     return await reader.readexactly(n)
 
 
-# --- blocking socket side (clients, shared-state server) ---------------------------------------
+# --- blocking socket side (clients, shared-state server, rendezvous) ---------------------------
 
 def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | memoryview:
+    """Receive exactly n bytes.
+
+    Args:
+        into: a writable buffer of n bytes to fill instead of allocating one.
+    Returns:
+        The bytes, or ``into``.
+    Raises:
+        ConnectionClosed: the connection ended first.
+    """
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
         k = sock.recv_into(buf[got:], n - got)
         if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            raise ConnectionClosed(f"connection closed after {got} of {n} bytes")
         got += k
     return buf if into is not None else bytes(buf)
 
 
-def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> dict:
+def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME, typed: bool = True) -> dict:
+    """Receive and decode one frame.
+
+    Args:
+        max_frame: the largest body accepted.
+        typed: see `decode`.
+    Returns:
+        The map.
+    Raises:
+        ConnectionClosed: the other side hung up between frames.
+        ProtocolError: an oversized, truncated or undecodable frame (the stream is unusable).
+    """
     (n,) = HEADER.unpack(recv_exact(sock, HEADER.size))
     check_length(n, max_frame)
-    return decode(recv_exact(sock, n))
+    try:
+        body = recv_exact(sock, n)
+    except ConnectionClosed as e:
+        raise ProtocolError(f"connection closed inside a {n}-byte frame ({e})") from None
+    return decode(body, typed)
 
 
 def send_frame(sock: socket.socket, obj: dict) -> None:
+    """Send one frame (see `pack`)."""
     sock.sendall(pack(obj))
 
 
@@ -98,24 +218,37 @@ def _mac(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -
 
 
 def challenge() -> dict:
-    return {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": os.urandom(NONCE_BYTES)}
+    """Server side: a fresh challenge frame."""
+    return {"t": Msg.CHALLENGE, "v": PROTOCOL_VERSION, "nonce": os.urandom(NONCE_BYTES)}
 
 
 def answer(secret: bytes, chal: dict, hello: dict) -> tuple[dict, bytes]:
-    """Client side: build the auth frame for a challenge; returns (frame, client_nonce)."""
-    if chal.get("t") != "challenge" or not isinstance(chal.get("nonce"), bytes):
+    """Client side: the auth frame for a challenge.
+
+    Args:
+        hello: fields the server learns about the client (see HELLO_FIELDS for the service).
+    Returns:
+        (auth frame, client nonce for `verify_welcome`).
+    """
+    if chal.get("t") != Msg.CHALLENGE or not isinstance(chal.get("nonce"), bytes):
         raise AuthError(f"expected a challenge frame, got type {chal.get('t')!r}")
     if chal.get("v") != PROTOCOL_VERSION:
         raise AuthError(f"protocol version {chal.get('v')!r} != {PROTOCOL_VERSION}")
     cn = os.urandom(NONCE_BYTES)
     frame = dict(hello)
-    frame.update(t="auth", nonce=cn, mac=_mac(secret, b"client", chal["nonce"], cn))
+    frame.update(t=Msg.AUTH, nonce=cn, mac=_mac(secret, b"client", chal["nonce"], cn))
     return frame, cn
 
 
 def verify_answer(secret: bytes, chal: dict, frame: dict) -> bytes:
-    """Server side: check the client's auth frame; returns the client nonce."""
-    if frame.get("t") != "auth":
+    """Server side: check the client's auth frame.
+
+    Returns:
+        The client nonce (for `welcome`).
+    Raises:
+        AuthError: wrong secret or not an auth frame.
+    """
+    if frame.get("t") != Msg.AUTH:
         raise AuthError(f"expected an auth frame, got type {frame.get('t')!r}")
     cn, mac = frame.get("nonce"), frame.get("mac")
     if not isinstance(cn, bytes) or len(cn) != NONCE_BYTES or not isinstance(mac, bytes):
@@ -126,23 +259,37 @@ def verify_answer(secret: bytes, chal: dict, frame: dict) -> bytes:
 
 
 def welcome(secret: bytes, chal: dict, client_nonce: bytes, extra: dict) -> dict:
+    """Server side: the welcome frame proving the server knows the secret, with ``extra`` fields."""
     frame = dict(extra)
-    frame.update(t="welcome", mac=_mac(secret, b"server", chal["nonce"], client_nonce))
+    frame.update(t=Msg.WELCOME, mac=_mac(secret, b"server", chal["nonce"], client_nonce))
     return frame
 
 
+def refusal(reason: str) -> dict:
+    """Server side: the frame that tells a client why it is refused."""
+    return {"t": Msg.ERROR, "reason": reason}
+
+
 def verify_welcome(secret: bytes, chal: dict, client_nonce: bytes, frame: dict) -> None:
-    """Client side: the server proves it knows the secret too (mutual authentication)."""
-    if frame.get("t") == "error":
+    """Client side: check that the server proved the secret too (mutual authentication).
+
+    Raises:
+        AuthError: the server refused or failed to prove the secret.
+    """
+    if frame.get("t") == Msg.ERROR:
         raise AuthError(f"server refused: {frame.get('reason')}")
-    if frame.get("t") != "welcome" or not isinstance(frame.get("mac"), bytes):
+    if frame.get("t") != Msg.WELCOME or not isinstance(frame.get("mac"), bytes):
         raise AuthError(f"expected a welcome frame, got type {frame.get('t')!r}")
     if not hmac.compare_digest(frame["mac"], _mac(secret, b"server", chal["nonce"], client_nonce)):
         raise AuthError("server failed to prove the shared secret (HMAC mismatch)")
 
 
 def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
-    """Blocking mutual challenge-response on a connected socket; returns the welcome frame."""
+    """Blocking client side of the handshake on a connected socket.
+
+    Returns:
+        The welcome frame.
+    """
     chal = recv_frame(sock)
     frame, cn = answer(secret, chal, hello)
     send_frame(sock, frame)
@@ -152,21 +299,34 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
 
 
 def server_handshake(sock: socket.socket, secret: bytes, extra: dict | None = None) -> dict:
-    """Blocking server side of the handshake; returns the client's auth frame."""
+    """Blocking server side of the handshake on an accepted socket.
+
+    Returns:
+        The client's auth frame (its hello fields).
+    """
     chal = challenge()
     send_frame(sock, chal)
     frame = recv_frame(sock)
     try:
         cn = verify_answer(secret, chal, frame)
     except AuthError:
-        send_frame(sock, {"t": "error", "reason": "authentication failed"})
+        send_frame(sock, refusal("authentication failed"))
         raise
     send_frame(sock, welcome(secret, chal, cn, extra or {}))
     return frame
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str, what: str = "address") -> tuple[str, int]:
+    """Split "host:port" (an IPv6 host may stand in brackets).
+
+    Args:
+      address: the text to split.
+      what: what the address is, for the error message.
+
+    Returns:
+      (host, port).
+    """
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not of the form host:port")
-    return host, int(port)
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{what} must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
