@@ -1,5 +1,5 @@
 """DiLoCo / async DiLoCo over the real communicator (peers as threads or processes on 127.0.0.1)
-against single-process references (tests/diloco_util.py): every element of θ_global and of the
+against single-process references (tests/support/diloco_util.py): every element of θ_global and of the
 outer momentum equal, shared-state hashes equal on every peer, newcomers and dead peers handled."""
 import json
 import os
@@ -16,7 +16,7 @@ import diloco_util as U
 from comm_util import SECRET, close_all, make_group, run_threads
 from jaxodc.comm.communicator import Communicator
 from jaxodc.coord.service import CoordinatorService
-from jaxodc.optim.diloco import DiLoCo, PseudoGradientReducer, async_diloco_outer, diloco_outer
+from jaxodc.optim.diloco import DiLoCo, PseudoGradientReducer, diloco_outer, pseudo_gradient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -138,7 +138,8 @@ def test_newcomer_joins_mid_run(svc, asynchronous):
         _assert_same_on_all(dls, hashes)
         info = dls[2].last_sync if asynchronous else None
         if asynchronous:   # the newcomer's only sync: θ_global, outer trace and the missed average
-            assert any(k.startswith("pending/") for k in info.keys_fetched)
+            assert "has_pending" in info.keys_fetched
+            assert any(k.startswith("pending") for k in info.keys_fetched)
             assert any(k.startswith("global") for k in info.keys_fetched)
         theta, outer, _ = U.reference(U.init_params(), U.ADAM, LR, MOM, H, J + T,
                                       [[0, 1]] * J + [[0, 1, 2]] * T, delayed=asynchronous)
@@ -148,26 +149,33 @@ def test_newcomer_joins_mid_run(svc, asynchronous):
         close_all(comms + [newcomer])
 
 
-def test_outer_transformations_are_optax(svc):
-    """diloco_outer / async_diloco_outer as plain optax transformations in a hand-written loop."""
+def test_outer_transformation_in_optax_loops(svc):
+    """diloco_outer in hand-written loops: synchronous (it averages with the reducer) and async
+    (the loop starts each average and hands the previous one to diloco_outer without a reducer)."""
     comms = make_group(svc.address, 2)
     try:
         def loop(c, delayed):
             red = PseudoGradientReducer(c, tag=77)
-            tx = (async_diloco_outer if delayed else diloco_outer)(_outer(), red)
+            tx = diloco_outer(_outer(), None if delayed else red)
             assert isinstance(tx, optax.GradientTransformation)
             theta = jax.tree.map(np.asarray, U.init_params())
             state = tx.init(theta)
             inner = U.make_inner(U.SGD)
             s_in = U.SGD.init(theta)
+            pending = None
             for t in range(3):
-                p = theta
-                p, s_in = inner(p, s_in, U.batch(c.rank, t))
-                delta = jax.tree.map(lambda a, b: a - b, theta, p)
+                p, s_in = inner(theta, s_in, U.batch(c.rank, t))
+                delta = pseudo_gradient(theta, p)
+                if delayed:
+                    average = None if pending is None else pending.result()
+                    pending = red.start(delta)
+                    if average is None:
+                        continue
+                    delta = average
                 upd, state = tx.update(delta, state, theta)
                 theta = optax.apply_updates(theta, upd)
-            if delayed:
-                assert red.finish() is not None and red.finish() is None
+            if delayed:  # the last average is still to apply; result() is memoised
+                assert pending.result() is pending.result() and red.worlds == [2] * 3
             return U.flat(theta)
 
         for delayed in (False, True):
@@ -180,6 +188,30 @@ def test_outer_transformations_are_optax(svc):
         g = {"w": np.ones(3, np.float32)}
         u, _ = tx.update(g, tx.init(g), g)
         np.testing.assert_array_equal(np.asarray(u["w"]), U.NesterovRef(LR, MOM).apply(np.zeros(3, np.float32), g["w"]))
+    finally:
+        close_all(comms)
+
+
+def test_outer_update_is_a_function_of_its_inputs(svc):
+    """diloco_outer keeps nothing between calls: the same (pseudo-gradient, state, params) twice
+    gives the same updates and state, bit for bit, and leaves its inputs untouched; with a reducer
+    the two calls are two identical all-reduces."""
+    comms = make_group(svc.address, 2)
+    try:
+        def twice(c):
+            tx = diloco_outer(_outer(), PseudoGradientReducer(c))
+            theta = jax.tree.map(np.asarray, U.init_params())
+            delta = jax.tree.map(lambda x: np.float32(0.01 * (1 + c.rank)) * x, theta)
+            _, state = tx.update(delta, tx.init(theta), theta)   # a non-zero momentum to start from
+            inputs = [delta, state, theta]
+            before = [U.flat(x).tobytes() for x in inputs]
+            first, second = tx.update(*inputs), tx.update(*inputs)
+            assert [U.flat(x).tobytes() for x in inputs] == before   # inputs untouched
+            assert [U.flat(x).tobytes() for x in first] == [U.flat(x).tobytes() for x in second]
+            return U.flat(first[0])
+
+        outs = run_threads([lambda c=c: twice(c) for c in comms])
+        assert outs[0].tobytes() == outs[1].tobytes() and np.abs(outs[0]).max() > 0
     finally:
         close_all(comms)
 
@@ -219,7 +251,7 @@ def test_first_peer_founds_group_through_driver(svc):
 
 
 def _spawn(master, npeers, mode, T, H, victim_at):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "diloco_peer.py"), master, SECRET.decode(),
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "support", "diloco_peer.py"), master, SECRET.decode(),
                              str(npeers), mode, str(T), str(H), str(victim_at)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
