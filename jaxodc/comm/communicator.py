@@ -96,14 +96,27 @@ class AllReduceHandle:
 
 
 class Communicator:
+    """One peer of a fault-tolerant group (see the module docstring for the loop every peer runs).
+
+    Args:
+      address: "host:port" of the coordination service. With host_master=True this peer runs the
+        service itself (embedded, in a background thread) at that address ("host:0" picks a free
+        port; None means "127.0.0.1:0"); the service then lives as long as this peer.
+      peer_group: peers of one group share rings and shared state.
+      secret: the group's shared secret (HMAC authentication of every connection).
+      pool_size: connections per ring neighbour (concurrent all-reduces).
+      heartbeat_s: interval of heartbeats to the service (a silent peer is declared dead).
+      timeout_s: how long a request to the service may take.
+      host: the address this peer listens on for ring and shared-state connections.
+      ring_timeout_s: how long a ring transfer may stall before it is aborted.
+      host_master: run the coordination service in this process.
+      master_heartbeat_timeout_s: the embedded service's dead-peer timeout.
+    """
+
     def __init__(self, address: str | None, peer_group: int = 0, secret: bytes = b"", pool_size: int = 2,
                  heartbeat_s: float = 0.5, timeout_s: float = 60.0, host: str = "127.0.0.1",
                  ring_timeout_s: float = 10.0, host_master: bool = False,
                  master_heartbeat_timeout_s: float | None = None):
-        """address: "host:port" of the coordination service. With host_master=True this peer runs
-        the service itself (embedded, in a background thread) at that address ("host:0" picks a
-        free port; None means "127.0.0.1:0") and connects to it; the service then lives as long
-        as this peer."""
         if isinstance(secret, str):
             secret = secret.encode()
         self.peer_group = int(peer_group)
@@ -373,14 +386,28 @@ class Communicator:
     # --- collectives ----------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", quantize: str | None = None, tag: int = 0, out=None) -> np.ndarray:
+        """`all_reduce_async(...).wait()`: the reduced array, or CollectiveAborted."""
         return self.all_reduce_async(x, op=op, quantize=quantize, tag=tag, out=out).wait()
 
     def all_reduce_async(self, x, op: str = "sum", quantize: str | None = None, tag: int = 0,
                          out=None) -> AllReduceHandle:
-        """All-reduce x over the group. x is never modified; the result goes to a fresh array, or
-        to ``out`` (which may be x itself) only after every peer closed the operation, so a failure
-        at any point leaves the caller's buffers as they were. Concurrent operations need
-        distinct tags, issued in the same order on every peer."""
+        """All-reduce x over the group, in a background thread.
+
+        x is never modified; the result goes to a fresh array, or to ``out`` (which may be x
+        itself) only after every peer closed the operation, so a failure at any point leaves the
+        caller's buffers as they were.
+
+        Args:
+          x: a numpy array, the same shape and dtype on every peer.
+          op: "sum", "avg", "min" or "max".
+          quantize: None, "uint8" or "uint16" (the owner of each chunk quantises once; every peer ends
+            bit-identical).
+          tag: concurrent operations need distinct tags, issued in the same order on every peer.
+          out: an optional destination array.
+
+        Returns:
+          An AllReduceHandle; `wait()` gives the result or raises CollectiveAborted.
+        """
         tag = int(tag)
         x = np.asarray(x)
         if out is not None and (not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype):
