@@ -80,22 +80,21 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def("shard_size", &Runtime::shard_size)
       .def(
           "connect",
-          [](Runtime& rt, const std::vector<std::tuple<int, int, std::string, std::string, int, int>>& peers) {
+          [](Runtime& rt, const std::vector<std::tuple<int, int, std::string, std::string, int>>& peers) {
             std::vector<odc::PeerConfig> cfgs;
-            for (const auto& [rank, transport, shm, host, port, pid] : peers) {
+            for (const auto& [rank, transport, shm, host, port] : peers) {
               odc::PeerConfig c;
               c.rank = rank;
               c.transport = static_cast<odc::Transport>(transport);
               c.shm_name = shm;
               c.host = host;
               c.port = port;
-              c.pid = pid;
               cfgs.push_back(c);
             }
             nb::gil_scoped_release release;
             rt.connect(cfgs);
           },
-          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port, pid)]")
+          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port)]")
       .def("unlink_segment", &Runtime::unlink_segment)
       .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
       .def(

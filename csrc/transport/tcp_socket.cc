@@ -18,6 +18,8 @@
 #include <random>
 #include <thread>
 
+#include "common/sync.h"
+
 namespace jaxodc::tcp {
 
 double now_s() {
@@ -205,6 +207,50 @@ void fill_random(void* buf, size_t n) {
     }
     p += k;
     n -= static_cast<size_t>(k);
+  }
+}
+
+void close_fd(int& fd) {
+  if (fd >= 0) {
+    ::shutdown(fd, SHUT_RDWR);
+    ::close(fd);
+    fd = -1;
+  }
+}
+
+int connect_within(const std::string& host, int port, double timeout_s, const std::string& what) {
+  try {
+    return connect_to(host + ":" + std::to_string(port), timeout_s, nullptr);
+  } catch (const TcpError& e) {
+    throw PeerError("could not connect to " + what + ": " + e.what());
+  }
+}
+
+namespace {
+
+// Rethrows the TcpError of a transfer to or from `what` as jaxodc's error type.
+[[noreturn]] void rethrow_as_jaxodc(const TcpError& e, double timeout_s, const char* direction,
+                                    const std::string& what) {
+  if (e.kind == ErrKind::kTimeout)
+    throw TimeoutError("timed out after " + std::to_string(timeout_s) + " s " + direction + " " + what);
+  throw PeerError("connection to " + std::string(e.what()));
+}
+
+}  // namespace
+
+void send_within(int fd, const void* buf, size_t n, double timeout_s, const std::string& what) {
+  try {
+    send_all(fd, buf, n, now_s() + timeout_s, nullptr, what);
+  } catch (const TcpError& e) {
+    rethrow_as_jaxodc(e, timeout_s, "sending to", what);
+  }
+}
+
+void recv_within(int fd, void* buf, size_t n, double timeout_s, const std::string& what) {
+  try {
+    recv_all(fd, buf, n, now_s() + timeout_s, nullptr, what);
+  } catch (const TcpError& e) {
+    rethrow_as_jaxodc(e, timeout_s, "receiving from", what);
   }
 }
 

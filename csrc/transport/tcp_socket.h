@@ -1,6 +1,7 @@
-// Small TCP helpers shared by the ring transport: listen/connect with deadlines, full reads and
-// writes that give up on a deadline or an abort flag, and "host:port" parsing. Errors are reported
-// as TcpError with a kind so callers can map them to timeout / connection / abort.
+// The TCP helpers of every native transport (the ring and ODC's tcp / nvshmem transports):
+// listen/connect with deadlines, full reads and writes that give up on a deadline or an abort
+// flag, and "host:port" parsing. Errors are TcpError with a kind so callers can map them to
+// timeout / connection / abort; the *_within variants report jaxodc's error types instead.
 #pragma once
 
 #include <atomic>
@@ -40,5 +41,15 @@ void recv_all(int fd, void* buf, size_t n, double deadline, const std::atomic<bo
               const std::string& what);
 
 void fill_random(void* buf, size_t n);
+
+// Shuts down and closes fd (if open) and sets it to -1.
+void close_fd(int& fd);
+
+// For callers that report jaxodc's error types (common/sync.h): timeouts relative to now;
+// PeerError when the peer cannot be reached, closed or reset the connection; TimeoutError naming
+// `what`.
+int connect_within(const std::string& host, int port, double timeout_s, const std::string& what);
+void send_within(int fd, const void* buf, size_t n, double timeout_s, const std::string& what);
+void recv_within(int fd, void* buf, size_t n, double timeout_s, const std::string& what);
 
 }  // namespace jaxodc::tcp

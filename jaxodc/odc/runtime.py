@@ -216,7 +216,7 @@ class Runtime:
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
             self.nvshmem = self._join_nvshmem(infos, rendezvous)
-            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port, i.pid)
+            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
                                   for i, t in zip(infos, self.transports)])
             if world > 1:
                 rendezvous.barrier(f"odc/{job_id}/connected", world)
