@@ -17,6 +17,10 @@
 // all partial results live in out. When out aliases x the op runs into a cached work buffer and
 // copies it over x only after the last byte arrived (one memcpy, the least an in-place abortable op
 // can cost), so an abort at any point leaves x untouched.
+//
+// Where the code lives: endpoint.cc (connections, handshake, connect_ring, dispatcher, bandwidth
+// probe), all_reduce.cc (one operation: OpRunner, CpuOps), link_shaper.h (link emulation),
+// engine.h / staged_ops.h (the memory side of an op), wire.h and ring_state.h (internal).
 #pragma once
 
 #include <atomic>

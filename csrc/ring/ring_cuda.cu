@@ -1,4 +1,4 @@
-// CUDA FFI handler of the ring all-reduce. The ring engine (ring.cc) moves the bytes over TCP
+// CUDA FFI handler of the ring all-reduce. The ring engine (all_reduce.cc) moves the bytes over TCP
 // through pinned host buffers; every reduction, quantisation and dequantisation of a piece runs as
 // a kernel on the call's stream (StagedOps in staged_ops.h with the CudaDev below). The kernels use
 // the host path's arithmetic (reduce.h), so dequantised values are bit-identical to a CPU peer's.

@@ -9,7 +9,6 @@
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,12 +20,6 @@
 #include "common/sync.h"
 
 namespace jaxodc::tcp {
-
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 void split_address(const std::string& addr, std::string* host, int* port) {
   auto pos = addr.rfind(':');
@@ -92,7 +85,7 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
   int port;
   split_address(addr, &host, &port);
   sockaddr_in sa = resolve(host, port);
-  double deadline = now_s() + timeout_s;
+  double deadline = now_seconds() + timeout_s;
   double backoff = 0.01;
   std::string last = "no attempt";
   auto aborted = [&] { return abort_flag && abort_flag->load(); };
@@ -112,7 +105,7 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
           close(fd);
           throw abort_error();
         }
-        double left = deadline - now_s();
+        double left = deadline - now_seconds();
         if (left <= 0) break;
         pollfd p{fd, POLLOUT, 0};
         int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
@@ -133,12 +126,12 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
     }
     last = strerror(err);
     close(fd);
-    if (now_s() >= deadline)
+    if (now_seconds() >= deadline)
       throw TcpError(ErrKind::kTimeout, "connect to " + addr + " timed out after " +
                                             std::to_string(timeout_s) + " s (last error: " + last + ")");
     // refused (peer not listening yet): back off, still watching the abort flag
-    double until = std::min(deadline, now_s() + backoff);
-    for (double t = now_s(); t < until; t = now_s()) {
+    double until = std::min(deadline, now_seconds() + backoff);
+    for (double t = now_seconds(); t < until; t = now_seconds()) {
       if (aborted()) throw abort_error();
       std::this_thread::sleep_for(std::chrono::duration<double>(std::min(until - t, 0.05)));
     }
@@ -150,7 +143,7 @@ static void wait_fd(int fd, short events, double deadline, const std::atomic<boo
                     const std::string& what) {
   while (true) {
     if (abort_flag && abort_flag->load()) throw TcpError(ErrKind::kAborted, what + ": aborted");
-    double left = deadline - now_s();
+    double left = deadline - now_seconds();
     if (left <= 0) throw TcpError(ErrKind::kTimeout, what + ": timed out");
     pollfd p{fd, events, 0};
     int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
@@ -240,7 +233,7 @@ namespace {
 
 void send_within(int fd, const void* buf, size_t n, double timeout_s, const std::string& what) {
   try {
-    send_all(fd, buf, n, now_s() + timeout_s, nullptr, what);
+    send_all(fd, buf, n, now_seconds() + timeout_s, nullptr, what);
   } catch (const TcpError& e) {
     rethrow_as_jaxodc(e, timeout_s, "sending to", what);
   }
@@ -248,7 +241,7 @@ void send_within(int fd, const void* buf, size_t n, double timeout_s, const std:
 
 void recv_within(int fd, void* buf, size_t n, double timeout_s, const std::string& what) {
   try {
-    recv_all(fd, buf, n, now_s() + timeout_s, nullptr, what);
+    recv_all(fd, buf, n, now_seconds() + timeout_s, nullptr, what);
   } catch (const TcpError& e) {
     rethrow_as_jaxodc(e, timeout_s, "receiving from", what);
   }

@@ -18,8 +18,6 @@ struct TcpError : std::runtime_error {
   TcpError(ErrKind k, const std::string& msg) : std::runtime_error(msg), kind(k) {}
 };
 
-double now_s();  // CLOCK_MONOTONIC seconds (system-wide, so comparable across local processes)
-
 // Splits "host:port"; throws std::invalid_argument naming the address.
 void split_address(const std::string& addr, std::string* host, int* port);
 
@@ -33,8 +31,8 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
 void set_nonblocking(int fd, bool on);
 void tune_socket(int fd);  // TCP_NODELAY and large kernel buffers
 
-// Reads/writes exactly n bytes before `deadline` (now_s() based); what names the operation in
-// errors. abort_flag (may be null) is checked at least every 50 ms.
+// Reads/writes exactly n bytes before `deadline` (a now_seconds() time, common/sync.h); `what`
+// names the operation in errors. abort_flag (may be null) is checked at least every 50 ms.
 void send_all(int fd, const void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
               const std::string& what);
 void recv_all(int fd, void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
