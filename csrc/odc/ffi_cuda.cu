@@ -17,7 +17,6 @@
 #include <string>
 
 #include "odc/ffi.h"
-#include "odc/ffi_common.h"
 
 namespace jaxodc::odc {
 

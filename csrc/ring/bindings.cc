@@ -11,8 +11,7 @@
 #include <thread>
 
 #include "ffi/registry.h"
-#include "hash/sha256.h"
-#include "ring/ffi_ring.h"
+#include "ring/ffi.h"
 #include "transport/tcp_socket.h"
 
 namespace jaxodc {
@@ -165,18 +164,9 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
         },
         nb::rv_policy::take_ownership);
 
-  m.def("sha256", [](nb::bytes data) {
-    auto d = crypto::sha256(data.c_str(), data.size());
-    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-  });
-  m.def("hmac_sha256", [](nb::bytes key, nb::bytes msg) {
-    auto d = crypto::hmac_sha256(key.c_str(), key.size(), msg.c_str(), msg.size());
-    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-  });
-
-  add_target(targets, "jaxodc_ring_all_reduce", "cpu", jaxodc_ring_all_reduce_cpu);
+  add_target(targets, "jaxodc_ring_all_reduce", "cpu", ring::RingAllReduceCpu);
 #ifdef JAXODC_WITH_CUDA
-  add_target(targets, "jaxodc_ring_all_reduce", "CUDA", jaxodc_ring_all_reduce_cuda);
+  add_target(targets, "jaxodc_ring_all_reduce", "CUDA", ring::RingAllReduceCuda);
 #endif
 }
 

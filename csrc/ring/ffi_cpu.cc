@@ -1,13 +1,15 @@
 // CPU FFI handler of the ring all-reduce: runs the native ring directly on XLA's host buffers.
 #include <cstring>
 
-#include "ring/ffi_ring.h"
+#include "ring/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jaxodc::ring {
 
-static ffi::Error AllReduceCpu(ffi::AnyBuffer x, ffi::AnyBuffer tok, ffi::Result<ffi::AnyBuffer> y,
+namespace {
+
+ffi::Error AllReduceCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer tok, ffi::Result<ffi::AnyBuffer> y,
                                ffi::Result<ffi::AnyBuffer> tok_out, int64_t handle, int64_t op,
                                int64_t quant, int64_t tag) {
   DType dt;
@@ -22,7 +24,8 @@ static ffi::Error AllReduceCpu(ffi::AnyBuffer x, ffi::AnyBuffer tok, ffi::Result
   return ffi_status(r);
 }
 
-}  // namespace jaxodc::ring
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxodc_ring_all_reduce_cpu, jaxodc::ring::AllReduceCpu,
-                              jaxodc::ring::bind_all_reduce(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingAllReduceCpu, AllReduceCpuImpl, bind_all_reduce(ffi::Ffi::Bind()));
+
+}  // namespace jaxodc::ring

@@ -11,7 +11,7 @@
 
 #include "ring/engine.h"
 #include "ring/staged_ops.h"
-#include "ring/ffi_ring.h"
+#include "ring/ffi.h"
 
 namespace ffi = xla::ffi;
 
@@ -173,9 +173,7 @@ struct CudaDev {
   }
 };
 
-}  // namespace
-
-static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer tok,
+ffi::Error AllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer tok,
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> tok_out,
                                 int64_t handle, int64_t op, int64_t quant, int64_t tag) {
   DType dt;
@@ -203,7 +201,9 @@ static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
   return ffi_status(r);
 }
 
-}  // namespace jaxodc::ring
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxodc_ring_all_reduce_cuda, jaxodc::ring::AllReduceCuda,
-                              jaxodc::ring::bind_all_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingAllReduceCuda, AllReduceCudaImpl,
+                              bind_all_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+
+}  // namespace jaxodc::ring

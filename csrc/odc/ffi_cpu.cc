@@ -1,6 +1,5 @@
+// CPU handlers of the ODC ops: the runtime reads and writes XLA's host buffers directly.
 #include "odc/ffi.h"
-
-#include "odc/ffi_common.h"
 
 namespace jaxodc::odc {
 

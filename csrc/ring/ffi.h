@@ -1,4 +1,5 @@
-// FFI glue shared by the CPU handler (ffi_cpu.cc) and the CUDA handler (ring_cuda.cu).
+// XLA FFI handlers of the ring all-reduce: the CPU one in ffi_cpu.cc, the CUDA one in ffi_cuda.cu
+// (CUDA builds), registered by bindings.cc; and what both share.
 #pragma once
 
 #include <memory>
@@ -9,6 +10,12 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxodc::ring {
+
+// (x, token) -> (y, token + 1); attrs handle, op, quant, tag (all int64).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAllReduceCpu);
+#ifdef JAXODC_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAllReduceCuda);
+#endif
 
 // The all-reduce signature of the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
 // bound first for CUDA): (x, ordering token) -> (result, token), matching jaxodc/ops/allreduce.py.
@@ -57,9 +64,3 @@ inline xla::ffi::Error ffi_status(const OpResult& r) {
 }
 
 }  // namespace jaxodc::ring
-
-// Handlers: (x, token) -> (y, token + 1); attrs handle, op, quant, tag (all int64).
-extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cpu;
-#ifdef JAXODC_WITH_CUDA
-extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cuda;
-#endif
