@@ -50,6 +50,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("layout_hash", &Runtime::layout_hash)
       .def_prop_ro("shm_name", &Runtime::shm_name)
       .def_prop_ro("port", &Runtime::port)
+      .def_prop_ro("handle", &Runtime::handle, "names this runtime in jitted ODC ops (runtime=), from connect on")
       .def_prop_ro("device", &Runtime::device, "CUDA ordinal of the device block, -1 without one")
       .def_prop_ro("device_uuid", &Runtime::device_uuid)
       .def("enable_device", &Runtime::enable_device, nb::arg("ordinal"), nb::call_guard<nb::gil_scoped_release>(),
@@ -96,7 +97,6 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port)]")
       .def("unlink_segment", &Runtime::unlink_segment)
-      .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
       .def(
           "gather",
           [](Runtime& rt, int unit, int64_t version, AnyIn out) {

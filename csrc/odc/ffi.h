@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/dtype.h"
+#include "ffi/token.h"
 #include "odc/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,24 +26,27 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterCuda);
 #endif
 
 // One signature per op for the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
-// bound first for CUDA); they must match the ffi_call sites in jaxodc/ops/odc.py.
+// bound first for CUDA); they must match the ffi_call sites in jaxodc/ops/odc.py. Every op names
+// its runtime by the `runtime` attribute (Runtime::handle) and its unit by `unit`.
 // gather(local shard, version) -> full unit
 template <typename Binding>
 auto bind_gather(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>().template Attr<int64_t>("unit");
+      .template Ret<ffi::AnyBuffer>().template Attr<int64_t>("runtime").template Attr<int64_t>("unit");
 }
 // gather_into(persistent buffer, local shard, version) -> the buffer (aliased to the output)
 template <typename Binding>
 auto bind_gather_into(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>().template Attr<int64_t>("unit");
+      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>().template Attr<int64_t>("runtime")
+      .template Attr<int64_t>("unit");
 }
-// scatter(local shard, full-unit gradient, version) -> ordering token
+// scatter(local shard, full-unit gradient, version, token) -> token + 1 (ffi/token.h)
 template <typename Binding>
 auto bind_scatter(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::U32>>().template Attr<int64_t>("unit");
+      .template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("runtime").template Attr<int64_t>("unit");
 }
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
@@ -60,12 +64,14 @@ inline ffi::Error run_guarded(const std::function<void()>& body) {
 
 // Resolves the runtime, the unit and the compute dtype; `full_numel` is the full unit's size the
 // caller passes (gathered output or gradient), or -1 to skip that check (range pushes).
-inline ffi::Error check_call(const char* op, int64_t unit, ffi::DataType shard_type, size_t shard_numel,
-                             ffi::DataType full_type, int64_t full_numel, Runtime** rt, ElemType* type) {
-  *rt = current_runtime();
+inline ffi::Error check_call(const char* op, int64_t runtime, int64_t unit, ffi::DataType shard_type,
+                             size_t shard_numel, ffi::DataType full_type, int64_t full_numel, Runtime** rt,
+                             ElemType* type) {
+  *rt = runtime_by_handle(runtime);
   if (*rt == nullptr)
-    return invalid(std::string(op) +
-                   ": the ODC runtime is not initialised in this process (create jaxodc.odc.Runtime first)");
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": no live ODC runtime with handle " +
+                   std::to_string(runtime) + " in this process (pass runtime=jaxodc.odc.Runtime(...); a closed "
+                   "runtime's handle is dead)");
   if (unit < 0 || unit >= (*rt)->num_units())
     return invalid(std::string(op) + ": rank " + std::to_string((*rt)->rank()) + " has no unit " +
                    std::to_string(unit) + " (" + std::to_string((*rt)->num_units()) + " registered)");

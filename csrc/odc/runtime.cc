@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/handles.h"
 #include "odc/core.h"
 #include "odc/peer.h"
 #include "odc/segment.h"
@@ -16,12 +17,14 @@ namespace jaxodc::odc {
 
 namespace {
 
-std::atomic<Runtime*> g_runtime{nullptr};
+Handles<Runtime>& live_runtimes() {
+  static Handles<Runtime> handles;
+  return handles;
+}
 
 }  // namespace
 
-Runtime* current_runtime() { return g_runtime.load(std::memory_order_acquire); }
-void set_current_runtime(Runtime* rt) { g_runtime.store(rt, std::memory_order_release); }
+Runtime* runtime_by_handle(int64_t handle) { return live_runtimes().find(handle); }
 
 Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
                  double timeout_s, const std::string& listen_host, int64_t slot_elems)
@@ -177,6 +180,7 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
       default: throw Error("connect: peer " + std::to_string(cfg.rank) + " cannot use the 'self' transport");
     }
   }
+  handle_ = live_runtimes().add(this);
 }
 
 void Runtime::unlink_segment() {
@@ -189,7 +193,7 @@ void Runtime::unlink_segment() {
 void Runtime::close(bool collective) {
   if (closed_) return;
   Core& core = *core_;
-  if (current_runtime() == this) set_current_runtime(nullptr);
+  live_runtimes().remove(handle_);  // jitted calls started from now on fail with a clear error
   for (auto& p : peers_)
     if (p) p->say_goodbye();
   signal_event(&core.seg->closing);

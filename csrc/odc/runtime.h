@@ -94,6 +94,9 @@ class Runtime {
   int64_t slot_elems() const;
   uint64_t layout_hash() const;
   const std::string& shm_name() const { return shm_name_; }
+  // Names this runtime in jitted code (the `runtime` attribute of the ODC FFI ops) from connect
+  // until close; 0 before.
+  int64_t handle() const { return handle_; }
   int port() const;
   Stats stats() const;
 
@@ -201,6 +204,7 @@ class Runtime {
   std::atomic<int64_t> pushes_received_{0}, bytes_received_{0};
   std::thread daemon_;
   int64_t scalar_calls_ = 0;
+  int64_t handle_ = 0;
   bool closed_ = false;
   bool connected_ = false;
 };
@@ -218,8 +222,7 @@ std::vector<std::string> cuda_device_uuids();
 std::string nvshmem_load(const std::string& path);
 std::string nvshmem_version();
 
-// The runtime FFI handlers use; set by the Python Runtime object.
-Runtime* current_runtime();
-void set_current_runtime(Runtime* rt);
+// The connected runtime whose handle() is `handle`, or null (common/handles.h).
+Runtime* runtime_by_handle(int64_t handle);
 
 }  // namespace jaxodc::odc

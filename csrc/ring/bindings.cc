@@ -3,7 +3,6 @@
 // dtypes DLPack/numpy cannot describe (bfloat16).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -24,7 +23,6 @@ namespace {
 
 // One all-reduce running on its own thread; keeps the arrays alive until Python drops it.
 struct NativeOp {
-  std::shared_ptr<Endpoint> ep;
   ByteIn x;
   ByteOut out;
   std::thread th;
@@ -133,15 +131,6 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
         std::lock_guard<std::mutex> g(op.mu);
         return std::make_pair(static_cast<int>(op.res.status), op.res.message);
       });
-
-  // Endpoints made here are shared with jitted code through their handle.
-  m.def("ring_register", [](nb::object obj) {
-    // nanobind owns the Endpoint; the registry holds a non-owning alias kept valid until
-    // ring_unregister (called by RingEndpoint.close before the object can die).
-    Endpoint* ep = nb::inst_ptr<Endpoint>(obj);
-    ring::register_endpoint(std::shared_ptr<Endpoint>(ep, [](Endpoint*) {}));
-  });
-  m.def("ring_unregister", &ring::unregister_endpoint);
 
   m.def("ring_start",
         [](nb::object ep_obj, ByteIn x, ByteOut out, size_t count, int dtype, int op, int quant, uint32_t tag) {

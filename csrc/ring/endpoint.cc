@@ -11,6 +11,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "common/handles.h"
 #include "hash/sha256.h"
 #include "ring/link_shaper.h"
 #include "ring/ring.h"
@@ -24,9 +25,10 @@ using tcp::TcpError;
 
 namespace {
 
-std::mutex g_registry_mu;
-std::map<int64_t, std::shared_ptr<Endpoint>> g_registry;  // non-owning aliases (see bindings)
-std::atomic<int64_t> g_next_handle{1};
+Handles<Endpoint>& live_endpoints() {
+  static Handles<Endpoint> handles;
+  return handles;
+}
 
 crypto::Digest mac(const std::string& secret, const char* label, const uint8_t* a, const uint8_t* b) {
   uint8_t msg[6 + 64];
@@ -78,14 +80,15 @@ Endpoint::Endpoint(const std::string& host, int port, int pool_size, std::string
   int bound = 0;
   listen_fd_ = tcp::listen_on(host, port, &bound);
   address_ = host + ":" + std::to_string(bound);
-  handle_ = g_next_handle++;
   acceptor_ = std::thread([this] { accept_loop(); });
+  handle_ = live_endpoints().add(this);
 }
 
 Endpoint::~Endpoint() { close(); }
 
 void Endpoint::close() {
   if (closing_.exchange(true)) return;
+  live_endpoints().remove(handle_);  // jitted calls started from now on fail with a clear error
   shut(listen_fd_);
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listen_fd_);
@@ -458,18 +461,6 @@ void Endpoint::abort() {
   rs->cv.notify_all();
 }
 
-std::shared_ptr<Endpoint> endpoint_by_handle(int64_t handle) {
-  std::lock_guard<std::mutex> g(g_registry_mu);
-  auto it = g_registry.find(handle);
-  return it == g_registry.end() ? nullptr : it->second;
-}
-void register_endpoint(const std::shared_ptr<Endpoint>& ep) {
-  std::lock_guard<std::mutex> g(g_registry_mu);
-  g_registry[ep->handle()] = ep;
-}
-void unregister_endpoint(int64_t handle) {
-  std::lock_guard<std::mutex> g(g_registry_mu);
-  g_registry.erase(handle);
-}
+Endpoint* endpoint_by_handle(int64_t handle) { return live_endpoints().find(handle); }
 
 }  // namespace jaxodc::ring

@@ -126,8 +126,6 @@ __global__ void k_dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Tr
     out[i] = Tr::store(static_cast<typename Tr::A>(dequant_value(q[i], m)));
 }
 
-__global__ void k_token(const int32_t* in, int32_t* out) { out[0] = in[0] + 1; }
-
 // The CUDA device of StagedOps: scratch per XLA thread (each call synchronises its stream before
 // returning, so it is free again when the thread runs the next call), copies and kernels on the
 // call's stream.
@@ -177,7 +175,7 @@ ffi::Error AllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> tok_out,
                                 int64_t handle, int64_t op, int64_t quant, int64_t tag) {
   DType dt;
-  std::shared_ptr<Endpoint> ep;
+  Endpoint* ep;
   if (auto err = check_all_reduce(x, tok, handle, &dt, &ep); err.failure()) return err;
   size_t n = x.size_bytes();
   const char* xd = static_cast<const char*>(x.untyped_data());
@@ -193,8 +191,7 @@ ffi::Error AllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
         [&] { check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "copy"); });
     if (r.status != Status::kOk)  // failed: the output is the untouched input, never a partial result
       check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "restore");
-    k_token<<<1, 1, 0, stream>>>(static_cast<const int32_t*>(tok.untyped_data()), static_cast<int32_t*>(tok_out->untyped_data()));
-    check(cudaGetLastError(), "token kernel");
+    check(advance_token(stream, tok, tok_out), "token kernel");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }

@@ -34,9 +34,11 @@ class TrainerRuntime(OdcRuntime):
     def gather(self, shard: jax.Array, spec, version: jax.Array):
         f32 = lambda x: x.astype(jnp.float32) if x.dtype != jnp.float32 else x  # noqa: E731
         if self.per_leaf:
-            return tuple(f32(x) for x in odc_gather_pieces(shard, version, unit=spec.index, numel=spec.padded,
-                                                           pieces=spec.leaf_pieces(), dtype=self.compute_dtype))
-        return f32(odc_gather(shard, version, unit=spec.index, numel=spec.padded, dtype=self.compute_dtype))
+            return tuple(f32(x) for x in odc_gather_pieces(shard, version, runtime=self.runtime, unit=spec.index,
+                                                           numel=spec.padded, pieces=spec.leaf_pieces(),
+                                                           dtype=self.compute_dtype))
+        return f32(odc_gather(shard, version, runtime=self.runtime, unit=spec.index, numel=spec.padded,
+                              dtype=self.compute_dtype))
 
     def publish(self, unit: int, shard: np.ndarray, version: int) -> None:
         self.runtime.publish(unit, shard, version)
