@@ -78,11 +78,11 @@ def worker(sizes_mb: list[int], out_path: str, gpu: bool = False) -> None:
             shard = jnp.asarray(rt.read_shard(u))
             # "fresh": XLA allocates the output each call (page faults dominate at large sizes);
             # "into": a persistent donated buffer, as a prefetching trainer would keep.
-            gather = jax.jit(lambda s, v, u=u, n=numel: odc_gather(s, v, unit=u, numel=n))
+            gather = jax.jit(lambda s, v, u=u, n=numel: odc_gather(s, v, runtime=rt, unit=u, numel=n))
             gather(shard, 0).block_until_ready()
             t = median_time(lambda: gather(shard, 0).block_until_ready(), reps, sync)
             record("gather", transport, nbytes, slowest(f"g{transport}{u}", t), variant="fresh")
-            gather_into = jax.jit(lambda b, s, v, u=u: odc_gather_into(b, s, v, unit=u), donate_argnums=0)
+            gather_into = jax.jit(lambda b, s, v, u=u: odc_gather_into(b, s, v, runtime=rt, unit=u), donate_argnums=0)
             buffer = [gather_into(jnp.zeros(numel, jnp.float32), shard, 0)]
 
             def gather_persistent():
@@ -94,7 +94,7 @@ def worker(sizes_mb: list[int], out_path: str, gpu: bool = False) -> None:
                    slot_bytes=rt.stats()["slot_bytes"], max_unit_bytes=max(numels) * 4)
             del buffer
 
-            scatter = jax.jit(lambda s, g, v, u=u: odc_scatter_accumulate(s, g, v, unit=u))
+            scatter = jax.jit(lambda s, g, v, u=u: odc_scatter_accumulate(s, g, v, runtime=rt, unit=u))
             grad = jnp.ones(numel, jnp.float32)
 
             def push_minibatch():

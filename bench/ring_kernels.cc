@@ -2,8 +2,8 @@
 // per f32 element, and the modelled per-rank kernel time of one quantised all-reduce.
 //   g++ -O3 -std=c++17 -Icsrc bench/ring_kernels.cc -o /tmp/ring_kernels && /tmp/ring_kernels [MB] [W]
 // Pieces are processed one at a time (1 MiB of f32 each, the ring's default) like the ring does.
-// Compiled against an older host_kernels.h (no JAXODC_RING_FUSED_KERNELS) it times the unfused
-// sequence only, which gives the before/after comparison.
+// The modelled time is given for the fused passes the ring runs and, for comparison, for the
+// unfused sequence of the same stages.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -57,7 +57,6 @@ void run(size_t n, int W, const char* name, float levels) {
   // quantises and dequantises; the all-gather dequantises W-1 chunks.
   double c = double(n) / W;
   double seq = c * (quant + (W - 2) * (red + quant) + (red_last + quant + deq) + (W - 1) * deq);
-#ifdef JAXODC_RING_FUSED_KERNELS
   double rmm = ns_per_elem(n, P, [&](size_t o, size_t k) { float lo, hi; K::reduce_q_range<Q>(q.data() + o, meta(o), x.data() + o, out.data() + o, k, g_sum, g_false, W, &lo, &hi); g_sink = lo; });
   double rmm_last = ns_per_elem(n, P, [&](size_t o, size_t k) { float lo, hi; K::reduce_q_range<Q>(q.data() + o, meta(o), x.data() + o, out.data() + o, k, g_avg, g_true, W, &lo, &hi); g_sink = lo; });
   double codes = ns_per_elem(n, P, [&](size_t o, size_t k) { K::quantize_range<Q>(x.data() + o, q.data() + o, k, levels, -4.f, 4.f); });
@@ -67,9 +66,6 @@ void run(size_t n, int W, const char* name, float levels) {
   double fused = c * ((mm + codes) + (W - 2) * (rmm + codes) + (rmm_last + qdq) + (W - 1) * deq);
   std::printf("%s per-rank kernel time of one %zu-element all-reduce at W=%d: %.2f ms (unfused sequence %.2f ms)\n",
               name, n, W, fused * 1e-6, seq * 1e-6);
-#else
-  std::printf("%s per-rank kernel time of one %zu-element all-reduce at W=%d: %.2f ms\n", name, n, W, seq * 1e-6);
-#endif
 }
 
 int main(int argc, char** argv) {

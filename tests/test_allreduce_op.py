@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxodc.comm.ring import RingEndpoint
-from jaxodc.ops.allreduce import all_reduce, all_reduce_tree
+from jaxodc.ops import all_reduce, all_reduce_tree
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,12 @@ def test_jit_all_reduce_equals_numpy(ring3):
     xs = [np.random.default_rng(i).standard_normal((33, 7)).astype(np.float32) for i in range(3)]
 
     def run(i):
-        f = jax.jit(lambda x: all_reduce(x * 2.0, ring3[i], op="avg") + 1.0)
-        return np.asarray(f(xs[i]))
+        def f(x):
+            y, token = all_reduce(x * 2.0, ring3[i], op="avg")
+            return y + 1.0, token
+        y, token = jax.jit(f)(xs[i])
+        assert token.dtype == jnp.int32 and token.shape == (1,) and int(token[0]) == 1  # a fresh token, advanced
+        return np.asarray(y)
 
     res = per_peer(ring3, run)
     want = np.mean([2.0 * x for x in xs], axis=0) + 1.0
@@ -48,7 +52,7 @@ def test_token_ordered_tree_and_int_ops(ring3):
               "c": jnp.asarray(np.random.default_rng(i).standard_normal(1001), jnp.bfloat16)} for i in range(3)]
 
     def run(i):
-        f = jax.jit(lambda t: all_reduce_tree(t, ring3[i].handle, op="max"))
+        f = jax.jit(lambda t: all_reduce_tree(t, ring3[i].handle, op="max")[0])
         return jax.tree_util.tree_map(np.asarray, f(trees[i]))
 
     res = per_peer(ring3, run)
@@ -85,4 +89,4 @@ def test_explicit_token_chain_and_quantized(ring3):
 
 def test_bad_endpoint_handle_raises():
     with pytest.raises(Exception, match="no live endpoint"):
-        jax.block_until_ready(jax.jit(lambda x: all_reduce(x, 987654321))(jnp.ones(3)))
+        jax.block_until_ready(jax.jit(lambda x: all_reduce(x, 987654321)[0])(jnp.ones(3)))

@@ -314,7 +314,7 @@ def bf16_body(ctx):
     rt = make_runtime(ctx, sizes=[33])
     publish_all(rt, 0)
     shard = jnp.asarray(rt.read_shard(0))
-    got = jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=33, dtype=jnp.bfloat16))(shard)
+    got = jax.jit(lambda s: odc_gather(s, 0, runtime=rt, unit=0, numel=33, dtype=jnp.bfloat16))(shard)
     ref = jnp.asarray(unit_values(0, 33, 0)).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
@@ -362,16 +362,16 @@ def bad_input_body(ctx):
     errors["fetch_early"] = str(e.value)
     publish_all(rt, 0)
     with pytest.raises(Exception) as e:
-        jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=10))(jnp.zeros(4, jnp.float32))
+        jax.jit(lambda s: odc_gather(s, 0, runtime=rt, unit=0, numel=10))(jnp.zeros(4, jnp.float32))
     errors["ffi_shard_shape"] = str(e.value)
     with pytest.raises(Exception) as e:
-        jax.jit(lambda s: odc_gather(s, 0, unit=3, numel=10))(jnp.zeros(5, jnp.float32))
+        jax.jit(lambda s: odc_gather(s, 0, runtime=rt, unit=3, numel=10))(jnp.zeros(5, jnp.float32))
     errors["ffi_unknown_unit"] = str(e.value)
     with pytest.raises(TypeError) as e:
-        odc_gather(jnp.zeros(5, jnp.int32), 0, unit=0, numel=10)
+        odc_gather(jnp.zeros(5, jnp.int32), 0, runtime=rt, unit=0, numel=10)
     errors["dtype"] = str(e.value)
     with pytest.raises(NotImplementedError) as e:
-        jax.vmap(lambda s: odc_gather(s, 0, unit=0, numel=10))(jnp.zeros((2, 5), jnp.float32))
+        jax.vmap(lambda s: odc_gather(s, 0, runtime=rt, unit=0, numel=10))(jnp.zeros((2, 5), jnp.float32))
     errors["vmap"] = str(e.value)
     rt.close()
     return errors
@@ -388,19 +388,31 @@ def test_bad_input_raises_clear_errors():
     assert "vmap" in errors["vmap"]
 
 
-def before_init_body(ctx):
+def dead_runtime_body(ctx):
     import jax
     import jax.numpy as jnp
     from jaxodc.ops import odc_gather
-    try:
-        jax.jit(lambda s: odc_gather(s, 0, unit=0, numel=4))(jnp.zeros(4, jnp.float32)).block_until_ready()
-    except Exception as e:  # noqa: BLE001 - any jax error type; the message is what matters
-        return str(e)
-    return "no error"
+    rt = make_runtime(ctx, sizes=[4])
+    publish_all(rt, 0)
+    gather = jax.jit(lambda s, r: odc_gather(s, 0, runtime=r, unit=0, numel=4), static_argnums=1)
+    live = np.asarray(gather(jnp.zeros(4, jnp.float32), rt.handle))
+    rt.close()
+    errors = []
+    for handle in (rt.handle, 424242):  # a closed runtime's handle, one never handed out
+        try:
+            gather(jnp.zeros(4, jnp.float32), handle).block_until_ready()
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - any jax error type; the message is what matters
+            errors.append(str(e))
+    return live, errors
 
 
-def test_use_before_init_is_an_error():
-    assert "not initialised" in run_ranks(before_init_body, 1)[0]
+def test_dead_runtime_handle_is_an_error():
+    live, (closed, unknown) = run_ranks(dead_runtime_body, 1)[0]
+    np.testing.assert_array_equal(live, unit_values(0, 4, 0))
+    for err in (closed, unknown):
+        assert "no live ODC runtime with handle" in err and "unit 0" in err, err
+    assert "handle 424242" in unknown, unknown
 
 
 # -- faults: dead peers and timeouts -------------------------------------------------------------------

@@ -8,6 +8,9 @@ namespace nb = nanobind;
 
 NB_MODULE(_C, m) {
   m.doc() = "jaxodc native extension: ODC runtime, ring all-reduce, hashing, FFI handlers";
+  // A process that dies of a Python exception may still hold native objects (in daemon threads,
+  // in the traceback): nanobind would bury the exception under "leaked instance" lines.
+  nb::set_leak_warnings(false);
   nb::dict targets;
   jaxodc::bind_odc(m, targets);
   jaxodc::bind_ring(m, targets);

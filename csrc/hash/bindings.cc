@@ -1,8 +1,9 @@
-// Python API of the deterministic hash (jaxodc/comm/hashing.py wraps it).
+// Python API of the deterministic hash (jaxodc/comm/hashing.py wraps it) and of SHA-256 / HMAC.
 #include <nanobind/ndarray.h>
 
 #include "ffi/registry.h"
 #include "hash/hash.h"
+#include "hash/sha256.h"
 
 namespace jaxodc {
 
@@ -27,6 +28,14 @@ void bind_hash(nb::module_& m, nb::dict& targets) {
 #endif
         },
         nb::arg("data"), "jaxodc hash v1 of a contiguous CUDA array (any dtype; its raw bytes)");
+  m.def("sha256", [](nb::bytes data) {
+    auto d = crypto::sha256(data.c_str(), data.size());
+    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
+  m.def("hmac_sha256", [](nb::bytes key, nb::bytes msg) {
+    auto d = crypto::hmac_sha256(key.c_str(), key.size(), msg.c_str(), msg.size());
+    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
   (void)targets;
 }
 

@@ -50,6 +50,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("layout_hash", &Runtime::layout_hash)
       .def_prop_ro("shm_name", &Runtime::shm_name)
       .def_prop_ro("port", &Runtime::port)
+      .def_prop_ro("handle", &Runtime::handle, "names this runtime in jitted ODC ops (runtime=), from connect on")
       .def_prop_ro("device", &Runtime::device, "CUDA ordinal of the device block, -1 without one")
       .def_prop_ro("device_uuid", &Runtime::device_uuid)
       .def("enable_device", &Runtime::enable_device, nb::arg("ordinal"), nb::call_guard<nb::gil_scoped_release>(),
@@ -80,24 +81,22 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def("shard_size", &Runtime::shard_size)
       .def(
           "connect",
-          [](Runtime& rt, const std::vector<std::tuple<int, int, std::string, std::string, int, int>>& peers) {
+          [](Runtime& rt, const std::vector<std::tuple<int, int, std::string, std::string, int>>& peers) {
             std::vector<odc::PeerConfig> cfgs;
-            for (const auto& [rank, transport, shm, host, port, pid] : peers) {
+            for (const auto& [rank, transport, shm, host, port] : peers) {
               odc::PeerConfig c;
               c.rank = rank;
               c.transport = static_cast<odc::Transport>(transport);
               c.shm_name = shm;
               c.host = host;
               c.port = port;
-              c.pid = pid;
               cfgs.push_back(c);
             }
             nb::gil_scoped_release release;
             rt.connect(cfgs);
           },
-          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port, pid)]")
+          "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port)]")
       .def("unlink_segment", &Runtime::unlink_segment)
-      .def("make_current", [](Runtime& rt) { odc::set_current_runtime(&rt); })
       .def(
           "gather",
           [](Runtime& rt, int unit, int64_t version, AnyIn out) {

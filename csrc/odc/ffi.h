@@ -1,9 +1,19 @@
-// XLA FFI handlers of the ODC ops (CPU here; CUDA ones in ffi_cuda.cu when built with CUDA).
+// XLA FFI handlers of the ODC ops: CPU ones in ffi_cpu.cc, CUDA ones in ffi_cuda.cu (CUDA builds),
+// registered by bindings.cc; and what both kinds share: the signatures and the argument checks.
 #pragma once
 
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "common/dtype.h"
+#include "ffi/token.h"
+#include "odc/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxodc::odc {
+
+namespace ffi = xla::ffi;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherIntoCpu);
@@ -14,5 +24,75 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherIntoCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterCuda);
 #endif
+
+// One signature per op for the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
+// bound first for CUDA); they must match the ffi_call sites in jaxodc/ops/odc.py. Every op names
+// its runtime by the `runtime` attribute (Runtime::handle) and its unit by `unit`.
+// gather(local shard, version) -> full unit
+template <typename Binding>
+auto bind_gather(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>().template Attr<int64_t>("runtime").template Attr<int64_t>("unit");
+}
+// gather_into(persistent buffer, local shard, version) -> the buffer (aliased to the output)
+template <typename Binding>
+auto bind_gather_into(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::AnyBuffer>().template Attr<int64_t>("runtime")
+      .template Attr<int64_t>("unit");
+}
+// scatter(local shard, full-unit gradient, version, token) -> token + 1 (ffi/token.h)
+template <typename Binding>
+auto bind_scatter(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("runtime").template Attr<int64_t>("unit");
+}
+
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
+
+// Runs a handler body, turning the runtime's exceptions into FFI errors (their message names the
+// rank, unit and peer).
+inline ffi::Error run_guarded(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// Resolves the runtime, the unit and the compute dtype; `full_numel` is the full unit's size the
+// caller passes (gathered output or gradient), or -1 to skip that check (range pushes).
+inline ffi::Error check_call(const char* op, int64_t runtime, int64_t unit, ffi::DataType shard_type,
+                             size_t shard_numel, ffi::DataType full_type, int64_t full_numel, Runtime** rt,
+                             ElemType* type) {
+  *rt = runtime_by_handle(runtime);
+  if (*rt == nullptr)
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": no live ODC runtime with handle " +
+                   std::to_string(runtime) + " in this process (pass runtime=jaxodc.odc.Runtime(...); a closed "
+                   "runtime's handle is dead)");
+  if (unit < 0 || unit >= (*rt)->num_units())
+    return invalid(std::string(op) + ": rank " + std::to_string((*rt)->rank()) + " has no unit " +
+                   std::to_string(unit) + " (" + std::to_string((*rt)->num_units()) + " registered)");
+  if (shard_type != ffi::DataType::F32)
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": the local shard must be float32");
+  if (static_cast<int64_t>(shard_numel) != (*rt)->shard_size(static_cast<int>(unit)))
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + " on rank " + std::to_string((*rt)->rank()) +
+                   ": local shard has " + std::to_string(shard_numel) + " elements, expected " +
+                   std::to_string((*rt)->shard_size(static_cast<int>(unit))));
+  if (full_type == ffi::DataType::F32) {
+    *type = ElemType::kF32;
+  } else if (full_type == ffi::DataType::BF16) {
+    *type = ElemType::kBF16;
+  } else {
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + ": compute dtype must be float32 or bfloat16");
+  }
+  if (full_numel >= 0 && full_numel != (*rt)->numel(static_cast<int>(unit)))
+    return invalid(std::string(op) + ": unit " + std::to_string(unit) + " has " +
+                   std::to_string((*rt)->numel(static_cast<int>(unit))) + " elements, got an array of " +
+                   std::to_string(full_numel));
+  return ffi::Error::Success();
+}
 
 }  // namespace jaxodc::odc

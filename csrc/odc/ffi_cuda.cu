@@ -16,8 +16,8 @@
 #include <functional>
 #include <string>
 
+#include "odc/device_cuda.h"
 #include "odc/ffi.h"
-#include "odc/ffi_common.h"
 
 namespace jaxodc::odc {
 
@@ -58,14 +58,10 @@ struct PinnedBuffer {
 thread_local PinnedBuffer t_staging;
 thread_local PinnedBuffer t_version;
 
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 int32_t read_version(const int32_t* device_version, cudaStream_t stream) {
   auto* host = static_cast<int32_t*>(t_version.get(sizeof(int32_t)));
-  cuda_check(cudaMemcpyAsync(host, device_version, sizeof(int32_t), cudaMemcpyDeviceToHost, stream), "version copy");
-  cuda_check(cudaStreamSynchronize(stream), "version copy");
+  check(cudaMemcpyAsync(host, device_version, sizeof(int32_t), cudaMemcpyDeviceToHost, stream), "version copy");
+  check(cudaStreamSynchronize(stream), "version copy");
   return *host;
 }
 
@@ -93,7 +89,7 @@ bool gather_host_owners(Runtime* rt, int unit, int64_t v, float* f32, int64_t n,
     int64_t lo, m;
     rt->piece(unit, d, &lo, &m);
     if (m > 0)
-      cuda_check(cudaMemcpyAsync(f32 + lo, host + lo, static_cast<size_t>(m) * 4, cudaMemcpyHostToDevice, stream),
+      check(cudaMemcpyAsync(f32 + lo, host + lo, static_cast<size_t>(m) * 4, cudaMemcpyHostToDevice, stream),
                  "gather H2D");
   }
   return true;
@@ -103,7 +99,7 @@ void gather_with_device(Runtime* rt, int unit, int64_t v, void* out, ElemType ty
   check_on_device(rt, out, "odc.gather", unit);
   float* scratch = nullptr;
   if (type != ElemType::kF32)
-    cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(n) * 4, stream),
+    check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(n) * 4, stream),
                "gather scratch");
   float* f32 = scratch ? scratch : static_cast<float*>(out);
   bool staged = false;
@@ -113,16 +109,16 @@ void gather_with_device(Runtime* rt, int unit, int64_t v, void* out, ElemType ty
     staged = gather_host_owners(rt, unit, v, f32, n, stream);
     if (scratch) {
       cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<__nv_bfloat16*>(out), n);
-      cuda_check(cudaGetLastError(), "bf16 cast kernel");
+      check(cudaGetLastError(), "bf16 cast kernel");
     }
   } catch (...) {
     if (scratch) cudaFreeAsync(scratch, stream);
     throw;
   }
-  if (scratch) cuda_check(cudaFreeAsync(scratch, stream), "gather scratch free");
+  if (scratch) check(cudaFreeAsync(scratch, stream), "gather scratch free");
   // The staging buffer is reused by the next call on this thread. Device copies need no wait here:
   // done() waits for them before the owners may overwrite their masters.
-  if (staged) cuda_check(cudaStreamSynchronize(stream), "gather");
+  if (staged) check(cudaStreamSynchronize(stream), "gather");
 }
 
 void scatter_with_device(Runtime* rt, int unit, int64_t v, const void* grad, ElemType type, int64_t n,
@@ -130,13 +126,13 @@ void scatter_with_device(Runtime* rt, int unit, int64_t v, const void* grad, Ele
   check_on_device(rt, grad, "odc.scatter_accumulate", unit);
   float* scratch = nullptr;
   if (type != ElemType::kF32) {
-    cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(n) * 4, stream),
+    check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(n) * 4, stream),
                "scatter scratch");
     cast_bf16_to_f32<<<cast_blocks(n), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(grad), scratch, n);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
       cudaFreeAsync(scratch, stream);
-      cuda_check(err, "bf16 cast kernel");
+      check(err, "bf16 cast kernel");
     }
   }
   try {
@@ -145,21 +141,21 @@ void scatter_with_device(Runtime* rt, int unit, int64_t v, const void* grad, Ele
     if (scratch) cudaFreeAsync(scratch, stream);
     throw;
   }
-  if (scratch) cuda_check(cudaFreeAsync(scratch, stream), "scatter scratch free");
+  if (scratch) check(cudaFreeAsync(scratch, stream), "scatter scratch free");
   if (rt->has_host_owners()) {
     const size_t bytes = static_cast<size_t>(n) * elem_size(type);
     void* host = t_staging.get(bytes);
-    cuda_check(cudaMemcpyAsync(host, grad, bytes, cudaMemcpyDeviceToHost, stream), "scatter D2H");
-    cuda_check(cudaStreamSynchronize(stream), "scatter D2H");
+    check(cudaMemcpyAsync(host, grad, bytes, cudaMemcpyDeviceToHost, stream), "scatter D2H");
+    check(cudaStreamSynchronize(stream), "scatter D2H");
     rt->scatter_accumulate(unit, v, host, type, n, Route::kHostOwners);
   }
 }
 
 ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
+                          ffi::Result<ffi::AnyBuffer> out, int64_t runtime, int64_t unit) {
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.gather", unit, local_shard.element_type(), local_shard.element_count(),
+  if (auto err = check_call("odc.gather", runtime, unit, local_shard.element_type(), local_shard.element_count(),
                             out->element_type(), out->element_count(), &rt, &type);
       err.failure())
     return err;
@@ -173,48 +169,50 @@ ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::
     auto* host = static_cast<float*>(t_staging.get(static_cast<size_t>(n) * 4));
     rt->gather(static_cast<int>(unit), v, host, ElemType::kF32, n);
     if (type == ElemType::kF32) {
-      cuda_check(cudaMemcpyAsync(out->untyped_data(), host, n * 4, cudaMemcpyHostToDevice, stream), "gather H2D");
+      check(cudaMemcpyAsync(out->untyped_data(), host, n * 4, cudaMemcpyHostToDevice, stream), "gather H2D");
     } else {
       // Stage fp32 on the device in the output's upper half is not possible (bf16 is smaller), so
       // use a scratch allocation from the stream-ordered allocator.
       float* scratch = nullptr;
-      cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), n * 4, stream), "gather scratch");
-      cuda_check(cudaMemcpyAsync(scratch, host, n * 4, cudaMemcpyHostToDevice, stream), "gather H2D");
-      int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
-      cast_f32_to_bf16<<<blocks, 256, 0, stream>>>(scratch, static_cast<__nv_bfloat16*>(out->untyped_data()), n);
-      cuda_check(cudaGetLastError(), "bf16 cast kernel");
-      cuda_check(cudaFreeAsync(scratch, stream), "gather scratch free");
+      check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), n * 4, stream), "gather scratch");
+      check(cudaMemcpyAsync(scratch, host, n * 4, cudaMemcpyHostToDevice, stream), "gather H2D");
+      cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<__nv_bfloat16*>(out->untyped_data()), n);
+      check(cudaGetLastError(), "bf16 cast kernel");
+      check(cudaFreeAsync(scratch, stream), "gather scratch free");
     }
     // The staging buffer is reused by the next call on this thread.
-    cuda_check(cudaStreamSynchronize(stream), "gather");
+    check(cudaStreamSynchronize(stream), "gather");
   });
 }
 
 ffi::Error GatherIntoCudaImpl(cudaStream_t stream, ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer local_shard,
-                              ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
-  return GatherCudaImpl(stream, local_shard, version, out, unit);
+                              ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out, int64_t runtime,
+                              int64_t unit) {
+  return GatherCudaImpl(stream, local_shard, version, out, runtime, unit);
 }
 
 ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::AnyBuffer grad,
-                           ffi::Buffer<ffi::S32> version, ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit) {
+                           ffi::Buffer<ffi::S32> version, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                           int64_t runtime, int64_t unit) {
+  const char* op = "odc.scatter_accumulate";
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.scatter_accumulate", unit, local_shard.element_type(), local_shard.element_count(),
+  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
                             grad.element_type(), grad.element_count(), &rt, &type);
       err.failure())
     return err;
+  if (auto err = check_token(token, op); err.failure()) return err;
   return run_guarded([&] {
     const int64_t n = static_cast<int64_t>(grad.element_count());
+    check(advance_token(stream, token, token_out), "token");
     if (rt->device() >= 0) {
-      cuda_check(cudaMemsetAsync(token->typed_data(), 0, sizeof(uint32_t), stream), "token");
       const int64_t v = read_version(version.typed_data(), stream);
       scatter_with_device(rt, static_cast<int>(unit), v, grad.untyped_data(), type, n, stream);
       return;
     }
     const size_t bytes = static_cast<size_t>(n) * elem_size(type);
     void* host = t_staging.get(bytes);
-    cuda_check(cudaMemcpyAsync(host, grad.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream), "scatter D2H");
-    cuda_check(cudaMemsetAsync(token->typed_data(), 0, sizeof(uint32_t), stream), "token");
+    check(cudaMemcpyAsync(host, grad.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream), "scatter D2H");
     const int64_t v = read_version(version.typed_data(), stream);  // also waits for the D2H copy
     rt->scatter_accumulate(static_cast<int>(unit), v, host, type, n);
   });

@@ -6,9 +6,8 @@
 #include <mutex>
 #include <string>
 
-#include "odc/nvshmem/plugin_api.h"
+#include "odc/device.h"
 #include "odc/runtime.h"
-#include "odc/segment.h"
 
 namespace jaxodc::odc {
 

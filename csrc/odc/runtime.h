@@ -21,12 +21,16 @@
 // through the optional plugin of csrc/odc/nvshmem): every such rank also keeps a symmetric NVSHMEM
 // block with the device block's layout; the control words travel over the rank's TCP connection
 // and the data moves with NVSHMEM's stream-ordered get / put.
+//
+// Where the code lives: runtime.cc (construction, connect, close), segment.cc (layout, segment
+// creation, stale-segment reclaim), worker.cc (gather / scatter_accumulate over the peers),
+// owner.cc (daemon, accumulation, publish), core.cc (the waits they share), one class per
+// transport in peer.h (shm.cc, tcp_peer.cc, cuda_ipc.cu, nvshmem.cu), the wire format and the TCP
+// server in wire.h / tcp_server.cc, the device block in device.h (cuda_ipc.cu, nvshmem.cu).
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -40,17 +44,14 @@ struct CUstream_st;  // cudaStream_t is CUstream_st*; declared here so this head
 
 namespace jaxodc::odc {
 
-struct SegmentHeader;
-struct UnitEntry;
-struct SlotHeader;
-struct DeviceState;  // a rank's device memory and streams (cuda_ipc.cu)
+struct Core;
+struct Mapping;
+class Peer;
+class TcpServer;
 
 // kCudaIpc: the shm control segment plus the peer's device block mapped with CUDA IPC.
 // kNvshmem: control over the peer's TCP connection, data in the NVSHMEM symmetric blocks.
 enum class Transport : int { kSelf = 0, kShm = 1, kTcp = 2, kCudaIpc = 3, kNvshmem = 4 };
-
-// Transports whose control requests go over the peer's TCP connection.
-inline bool uses_socket(Transport t) { return t == Transport::kTcp || t == Transport::kNvshmem; }
 
 // Which owners a worker operation serves: all, or only those not reached through device memory
 // (the CUDA handlers move device owners themselves and stage the rest through the host).
@@ -62,7 +63,6 @@ struct PeerConfig {
   std::string shm_name;  // for kShm and kCudaIpc
   std::string host;      // for kTcp and kNvshmem
   int port = 0;
-  int pid = 0;
 };
 
 struct Stats {
@@ -86,30 +86,32 @@ class Runtime {
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  int rank() const { return rank_; }
-  int world() const { return world_; }
-  int num_units() const { return static_cast<int>(numels_.size()); }
+  int rank() const;
+  int world() const;
+  int num_units() const;
   int64_t numel(int unit) const;
   int64_t shard_size(int unit) const;
-  int64_t slot_elems() const { return slot_elems_; }
-  uint64_t layout_hash() const { return layout_hash_; }
+  int64_t slot_elems() const;
+  uint64_t layout_hash() const;
   const std::string& shm_name() const { return shm_name_; }
-  int port() const { return port_; }
+  // Names this runtime in jitted code (the `runtime` attribute of the ODC FFI ops) from connect
+  // until close; 0 before.
+  int64_t handle() const { return handle_; }
+  int port() const;
   Stats stats() const;
 
   // Allocates and exports the device block on CUDA device `ordinal`; before connect. Throws when
   // built without CUDA.
   void enable_device(int ordinal);
-  int device() const { return device_; }  // -1 without a device
-  const std::string& device_uuid() const { return device_uuid_; }
+  int device() const;  // -1 without a device
+  const std::string& device_uuid() const;
 
-  // NVSHMEM (nvshmem.cu; after enable_device, before connect). nvshmem_uniqueid: a fresh bootstrap
-  // id, made by the rank that becomes PE 0. init_nvshmem: joins that NVSHMEM job as PE
-  // pe_of_rank[rank()] (-1 marks ranks outside it) and allocates the symmetric block; collective
-  // over the job's ranks.
+  // NVSHMEM (after enable_device, before connect). nvshmem_uniqueid: a fresh bootstrap id, made by
+  // the rank that becomes PE 0. init_nvshmem: joins that NVSHMEM job as PE pe_of_rank[rank()] (-1
+  // marks ranks outside it) and allocates the symmetric block; collective over the job's ranks.
   std::string nvshmem_uniqueid();
   void init_nvshmem(const std::string& uid, const std::vector<int>& pe_of_rank);
-  bool nvshmem_active() const { return nv_block_ != nullptr; }
+  bool nvshmem_active() const;
 
   // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
   // handshake).
@@ -132,9 +134,9 @@ class Runtime {
   // peer).
   bool device_owner(int owner) const;
   bool has_host_owners() const;
-  // Device-memory worker operations (cuda_ipc.cu) for the device owners only; `out` / `grad` are
-  // fp32 device pointers to the whole unit. gather waits on the host for each owner's publication
-  // and enqueues device-to-device copies on `stream` (not waited for; done() waits for them).
+  // Device-memory worker operations for the device owners only; `out` / `grad` are fp32 device
+  // pointers to the whole unit. gather waits on the host for each owner's publication and
+  // enqueues device-to-device copies on `stream` (not waited for; done() waits for them).
   // scatter_device copies each owner's slice into my slot there, waits for the copy, raises the
   // slot's flag.
   void gather_device(int unit, int64_t version, float* out, CUstream_st* stream);
@@ -168,62 +170,27 @@ class Runtime {
   void close(bool collective = true);
 
  private:
-  struct Peer;
+  friend class SelfPeer;  // my own slice of a push goes straight into my accumulator
+
   void check_unit(int unit, const char* op) const;
   void check_open(const char* op) const;
   void check_publish(int unit, int64_t version) const;
+  // The owners a worker operation visits, starting at `first` and going round the ring.
+  std::vector<Peer*> owners(int first, Route route) const;
   void announce(int unit, int64_t version);
-  template <class Pred>
-  void wait_for(std::atomic<uint32_t>* word, Pred ready, const Peer* peer, const std::string& what);
-  void check_peer_alive(const Peer& peer, const std::string& what) const;
-  // wait_for for callers outside runtime.cc.
-  void wait_until(std::atomic<uint32_t>* word, const std::function<bool()>& ready, const Peer* peer,
-                  const std::string& what);
   void daemon_loop();
   bool drain_slots();
   bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
-  // One owner's part of a push: `count` elements of its shard from `offset` on.
-  void push_to_owner(Peer& p, int unit, int64_t version, int64_t offset, const char* src, ElemType type,
-                     int64_t count, std::vector<float>& staging);
-  // CUDA IPC internals (cuda_ipc.cu; the no-CUDA build defines them in runtime.cc).
-  void dev_open_peer(Peer& peer);
-  void dev_publish(int unit, const float* shard);
-  void dev_fetch_add(int unit, float* out);  // out += device accumulator, which is zeroed
-  // daemon: the client's device (kSlotDevice) or NVSHMEM (kSlotNvshmem) slot -> device accumulator
-  void dev_accumulate(int unit, int client, int64_t count, int32_t where);
-  void dev_sync_pending();                   // waits for enqueued device gathers
-  void dev_release();                        // close: unmap peers, free the block when unmapped
-  // NVSHMEM internals (nvshmem.cu): one owner's piece of a device gather / push, the teardown.
-  void nv_gather_owner(Peer& peer, int unit, int64_t version, float* out, CUstream_st* stream);
-  void nv_push_owner(Peer& peer, int unit, int64_t version, const float* grad, CUstream_st* stream);
-  void nv_release();
-  // The control requests of an nvshmem push / gather on the owner's TCP server (runtime.cc).
-  void nv_wait_published(Peer& peer, int unit, int64_t version);
-  void nv_wait_slot(Peer& peer, int unit, int64_t version);
-  void nv_commit(Peer& peer, int unit, int64_t version, int64_t count);
-  void serve_loop();
-  void serve_connection(int fd);
-  // Operations performed on this rank's own segment (for itself, or for a TCP client).
-  void wait_published(int unit, int64_t version, const Peer* via, const std::string& what);
-  void write_slot_begin(int client, const std::string& what);
-  int64_t local_claim(int64_t version, int64_t count, bool steal);
-  void wait_scalar(SegmentHeader* seg, int64_t version, const Peer* peer, const std::string& what);
 
-  int rank_, world_;
   std::string job_id_;
-  std::vector<int64_t> numels_, shards_;
-  int64_t max_shard_ = 0;
-  int64_t slot_elems_ = 0;  // capacity of one receive slot (fp32 elements)
-  double timeout_s_;
-  uint64_t layout_hash_ = 0;
-
+  std::unique_ptr<Core> core_;
+  std::unique_ptr<Mapping> segment_;  // mine; stays mapped until destruction (see close)
   std::string shm_name_;
   bool linked_ = false;
-  SegmentHeader* seg_ = nullptr;
-  size_t seg_bytes_ = 0;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null until connect
+  std::unique_ptr<TcpServer> server_;         // null in a world of one
 
-  std::vector<std::unique_ptr<Peer>> peers_;
   struct FreeDeleter {
     void operator()(float* p) const { std::free(p); }
   };
@@ -234,32 +201,12 @@ class Runtime {
   std::atomic<int64_t> accumulating_version_{0};
   std::atomic<int64_t> completed_version_{-1};
   std::vector<int64_t> last_fetched_;
-  std::mutex error_mu_;
-  std::string daemon_error_;
-  std::vector<std::string> client_failure_;  // per client rank, set when its TCP link dies
-
-  std::atomic<bool> stop_{false};
-  std::thread daemon_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::thread server_;
-  std::mutex conn_mu_;
-  std::vector<std::thread> conn_threads_;
-  std::vector<int> conn_fds_;
   std::atomic<int64_t> pushes_received_{0}, bytes_received_{0};
+  std::thread daemon_;
   int64_t scalar_calls_ = 0;
+  int64_t handle_ = 0;
   bool closed_ = false;
   bool connected_ = false;
-
-  int device_ = -1;
-  std::string device_uuid_;
-  int64_t device_bytes_ = 0;
-  DeviceState* dev_ = nullptr;  // owned; freed by dev_release
-
-  char* nv_block_ = nullptr;   // NVSHMEM symmetric block (device block layout), or null
-  std::vector<int> nv_pe_;     // NVSHMEM PE of each rank, -1 outside the NVSHMEM job
-  std::atomic<bool> nv_broken_{false};  // a control request to an nvshmem peer failed
-  bool nv_collective_close_ = true;
 };
 
 // Unlinks /dev/shm/jaxodc_* segments whose creating process is gone (crash recovery).
@@ -275,8 +222,7 @@ std::vector<std::string> cuda_device_uuids();
 std::string nvshmem_load(const std::string& path);
 std::string nvshmem_version();
 
-// The runtime FFI handlers use; set by the Python Runtime object.
-Runtime* current_runtime();
-void set_current_runtime(Runtime* rt);
+// The connected runtime whose handle() is `handle`, or null (common/handles.h).
+Runtime* runtime_by_handle(int64_t handle);
 
 }  // namespace jaxodc::odc

@@ -1,15 +1,15 @@
-// Layout of a rank's ODC segment (POSIX shared memory) and the runtime's view of a peer. Internal
-// to csrc/odc: shared by the host runtime (runtime.cc) and the CUDA IPC transport (cuda_ipc.cu).
+// Internal to csrc/odc: the unit layout, the layout of a rank's ODC segment (POSIX shared memory)
+// and the segment's life: creation, mapping a peer's, and reclaiming those of dead processes
+// (segment.cc).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/sync.h"
-#include "odc/nvshmem/plugin_api.h"
-#include "odc/runtime.h"
 
 namespace jaxodc::odc {
 
@@ -24,11 +24,25 @@ constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t); checked i
 // A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
 bool pid_alive(int pid);
 
-// The loaded NVSHMEM plugin's table, or null (nvshmem_loader.cc); nvshmem_load_error says why.
-const JaxodcNvshmemApi* nvshmem_api();
-std::string nvshmem_load_error();
+// The unit layout every rank must share (compared through its hash at connect): unit sizes, the
+// shard of each (ceil(numel / world) elements, the last owners' pieces padded), and the receive
+// slot capacity.
+struct Layout {
+  Layout(int rank, int world, const std::vector<int64_t>& numels, int64_t slot_elems);
 
-inline bool is_mapped(Transport t) { return t == Transport::kShm || t == Transport::kCudaIpc; }
+  int num_units() const { return static_cast<int>(numels.size()); }
+  // [lo, lo + n) of the flat unit that `owner` holds (n may be 0 for trailing owners).
+  void piece(int unit, int owner, int64_t* lo, int64_t* n) const {
+    *lo = std::min<int64_t>(static_cast<int64_t>(owner) * shards[unit], numels[unit]);
+    *n = std::max<int64_t>(0, std::min<int64_t>(shards[unit], numels[unit] - *lo));
+  }
+
+  int world;
+  std::vector<int64_t> numels, shards;
+  int64_t max_shard = 0;
+  int64_t slot_elems = 0;  // capacity of one receive slot (fp32 elements)
+  uint64_t hash = 0;
+};
 
 struct alignas(64) UnitEntry {
   std::atomic<int64_t> version;  // -1 until first publish
@@ -108,18 +122,29 @@ static_assert(std::atomic<int32_t>::is_always_lock_free, "cross-process atomics 
 static_assert(std::atomic<int64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
 
-struct Runtime::Peer {
-  int rank = -1;
-  Transport transport = Transport::kSelf;
-  SegmentHeader* seg = nullptr;  // mapped segment (self, shm or cuda_ipc)
-  size_t seg_bytes = 0;
-  int pid = 0;
-  std::string host;
-  int port = 0;
-  int fd = -1;
-  std::mutex mu;             // one request at a time on the TCP connection
-  char* dev_base = nullptr;  // cuda_ipc: the peer's device block mapped into this process
-  std::string name() const { return "rank " + std::to_string(rank); }
+// A segment mapped into this process, unmapped on destruction.
+struct Mapping {
+  Mapping() = default;
+  Mapping(SegmentHeader* seg, size_t bytes) : seg(seg), bytes(bytes) {}
+  Mapping(Mapping&& o) noexcept : seg(o.seg), bytes(o.bytes) { o.seg = nullptr; }
+  Mapping& operator=(Mapping&& o) noexcept;
+  ~Mapping() { reset(); }
+  void reset();
+
+  SegmentHeader* seg = nullptr;
+  size_t bytes = 0;
 };
+
+// Creates this rank's segment `name` for `layout`, zeroed but for its header and the -1 version /
+// done / scalar markers; throws if the name exists and its owner is alive (`job_id` names the job
+// in that error).
+Mapping create_segment(const std::string& name, const std::string& job_id, int rank, const Layout& layout);
+// Maps the segment `name` of rank `peer`, checking it is that rank's ODC segment with `layout`
+// (`me` names this rank in errors).
+Mapping map_segment(const std::string& name, int peer, int me, const Layout& layout);
+
+// LB-Steal: claims one of `count` microbatches of minibatch `version` from the deque of `owner`'s
+// segment (the owner from the front, a thief with `steal` from the back); -1 when none is left.
+int64_t claim_microbatch(SegmentHeader* seg, int64_t version, int64_t count, bool steal, int owner);
 
 }  // namespace jaxodc::odc

@@ -3,7 +3,6 @@
 // dtypes DLPack/numpy cannot describe (bfloat16).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -11,8 +10,7 @@
 #include <thread>
 
 #include "ffi/registry.h"
-#include "hash/sha256.h"
-#include "ring/ffi_ring.h"
+#include "ring/ffi.h"
 #include "transport/tcp_socket.h"
 
 namespace jaxodc {
@@ -25,7 +23,6 @@ namespace {
 
 // One all-reduce running on its own thread; keeps the arrays alive until Python drops it.
 struct NativeOp {
-  std::shared_ptr<Endpoint> ep;
   ByteIn x;
   ByteOut out;
   std::thread th;
@@ -135,15 +132,6 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
         return std::make_pair(static_cast<int>(op.res.status), op.res.message);
       });
 
-  // Endpoints made here are shared with jitted code through their handle.
-  m.def("ring_register", [](nb::object obj) {
-    // nanobind owns the Endpoint; the registry holds a non-owning alias kept valid until
-    // ring_unregister (called by RingEndpoint.close before the object can die).
-    Endpoint* ep = nb::inst_ptr<Endpoint>(obj);
-    ring::register_endpoint(std::shared_ptr<Endpoint>(ep, [](Endpoint*) {}));
-  });
-  m.def("ring_unregister", &ring::unregister_endpoint);
-
   m.def("ring_start",
         [](nb::object ep_obj, ByteIn x, ByteOut out, size_t count, int dtype, int op, int quant, uint32_t tag) {
           check_sizes(x, out, count, dtype);
@@ -165,18 +153,9 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
         },
         nb::rv_policy::take_ownership);
 
-  m.def("sha256", [](nb::bytes data) {
-    auto d = crypto::sha256(data.c_str(), data.size());
-    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-  });
-  m.def("hmac_sha256", [](nb::bytes key, nb::bytes msg) {
-    auto d = crypto::hmac_sha256(key.c_str(), key.size(), msg.c_str(), msg.size());
-    return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-  });
-
-  add_target(targets, "jaxodc_ring_all_reduce", "cpu", jaxodc_ring_all_reduce_cpu);
+  add_target(targets, "jaxodc_ring_all_reduce", "cpu", ring::RingAllReduceCpu);
 #ifdef JAXODC_WITH_CUDA
-  add_target(targets, "jaxodc_ring_all_reduce", "CUDA", jaxodc_ring_all_reduce_cuda);
+  add_target(targets, "jaxodc_ring_all_reduce", "CUDA", ring::RingAllReduceCuda);
 #endif
 }
 

@@ -1,6 +1,6 @@
-// Where the bytes of one all-reduce come from and go to. The ring engine (ring.cc) drives the
-// sockets and the piece schedule; a PieceOps implementation owns the memory: CpuOps (ring.cc)
-// works in place on host arrays with zero extra copies, the CUDA handler's ops (ring_cuda.cu) stage
+// Where the bytes of one all-reduce come from and go to. The ring engine (all_reduce.cc) drives the
+// sockets and the piece schedule; a PieceOps implementation owns the memory: CpuOps (all_reduce.cc)
+// works in place on host arrays with zero extra copies, the CUDA handler's ops (ffi_cuda.cu) stage
 // pieces through pinned host buffers and reduce/quantise with kernels on the call's stream.
 #pragma once
 

@@ -21,8 +21,6 @@
 
 #include "ring/reduce.h"
 
-#define JAXODC_RING_FUSED_KERNELS 1  // reduce_q_range / quantize_range / quantize_dequantize exist
-
 namespace jaxodc::ring {
 
 // combine(op, a, b) with op fixed at compile time.

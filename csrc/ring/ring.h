@@ -17,6 +17,10 @@
 // all partial results live in out. When out aliases x the op runs into a cached work buffer and
 // copies it over x only after the last byte arrived (one memcpy, the least an in-place abortable op
 // can cost), so an abort at any point leaves x untouched.
+//
+// Where the code lives: endpoint.cc (connections, handshake, connect_ring, dispatcher, bandwidth
+// probe), all_reduce.cc (one operation: OpRunner, CpuOps), link_shaper.h (link emulation),
+// engine.h / staged_ops.h (the memory side of an op), wire.h and ring_state.h (internal).
 #pragma once
 
 #include <atomic>
@@ -76,6 +80,7 @@ class Endpoint {
   // Pipelining granularity; every peer of a ring must use the same value (checked per op).
   void set_piece_bytes(size_t n) { piece_bytes_ = n < 256 ? 256 : (n > (size_t(1) << 30) ? size_t(1) << 30 : n); }
   int world() const;
+  // Names this endpoint in jitted code (the `handle` attribute of the FFI all-reduce) until close.
   int64_t handle() const { return handle_; }
 
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_ok{0}, ops_failed{0},
@@ -113,9 +118,7 @@ class Endpoint {
   std::vector<std::unique_ptr<std::vector<char>>> work_free_;
 };
 
-// Process-wide registry so jitted FFI calls can name an endpoint by an integer handle.
-std::shared_ptr<Endpoint> endpoint_by_handle(int64_t handle);
-void register_endpoint(const std::shared_ptr<Endpoint>& ep);
-void unregister_endpoint(int64_t handle);
+// The endpoint whose handle() is `handle`, or null once it is closed (common/handles.h).
+Endpoint* endpoint_by_handle(int64_t handle);
 
 }  // namespace jaxodc::ring

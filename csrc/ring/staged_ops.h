@@ -1,7 +1,7 @@
 // Memory backend of the ring engine for data that lives in device memory: pieces are staged
 // through (pinned) host buffers and every reduce / quantise / dequantise runs on the device. The
-// device is a policy so the very same piece logic runs with CUDA (ring_cuda.cu) and, for tests on
-// machines without a GPU, with host memory standing in for the device (HostDev in ring.cc).
+// device is a policy so the very same piece logic runs with CUDA (ffi_cuda.cu) and, for tests on
+// machines without a GPU, with host memory standing in for the device (HostDev, testing/host_dev.h).
 //
 // Dev provides: host(slot, bytes) / dev(slot, bytes) scratch; d2h, h2d copies (ordered on one
 // queue); reduce<D>, reduce_q<D,Q>, quantize<D,Q> (range + codes + DevMeta on the device),

@@ -9,7 +9,6 @@
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,13 +17,9 @@
 #include <random>
 #include <thread>
 
-namespace jaxodc::tcp {
+#include "common/sync.h"
 
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+namespace jaxodc::tcp {
 
 void split_address(const std::string& addr, std::string* host, int* port) {
   auto pos = addr.rfind(':');
@@ -90,7 +85,7 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
   int port;
   split_address(addr, &host, &port);
   sockaddr_in sa = resolve(host, port);
-  double deadline = now_s() + timeout_s;
+  double deadline = now_seconds() + timeout_s;
   double backoff = 0.01;
   std::string last = "no attempt";
   auto aborted = [&] { return abort_flag && abort_flag->load(); };
@@ -110,7 +105,7 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
           close(fd);
           throw abort_error();
         }
-        double left = deadline - now_s();
+        double left = deadline - now_seconds();
         if (left <= 0) break;
         pollfd p{fd, POLLOUT, 0};
         int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
@@ -131,12 +126,12 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
     }
     last = strerror(err);
     close(fd);
-    if (now_s() >= deadline)
+    if (now_seconds() >= deadline)
       throw TcpError(ErrKind::kTimeout, "connect to " + addr + " timed out after " +
                                             std::to_string(timeout_s) + " s (last error: " + last + ")");
     // refused (peer not listening yet): back off, still watching the abort flag
-    double until = std::min(deadline, now_s() + backoff);
-    for (double t = now_s(); t < until; t = now_s()) {
+    double until = std::min(deadline, now_seconds() + backoff);
+    for (double t = now_seconds(); t < until; t = now_seconds()) {
       if (aborted()) throw abort_error();
       std::this_thread::sleep_for(std::chrono::duration<double>(std::min(until - t, 0.05)));
     }
@@ -148,7 +143,7 @@ static void wait_fd(int fd, short events, double deadline, const std::atomic<boo
                     const std::string& what) {
   while (true) {
     if (abort_flag && abort_flag->load()) throw TcpError(ErrKind::kAborted, what + ": aborted");
-    double left = deadline - now_s();
+    double left = deadline - now_seconds();
     if (left <= 0) throw TcpError(ErrKind::kTimeout, what + ": timed out");
     pollfd p{fd, events, 0};
     int rc = poll(&p, 1, static_cast<int>(std::min(left, 0.05) * 1000) + 1);
@@ -205,6 +200,50 @@ void fill_random(void* buf, size_t n) {
     }
     p += k;
     n -= static_cast<size_t>(k);
+  }
+}
+
+void close_fd(int& fd) {
+  if (fd >= 0) {
+    ::shutdown(fd, SHUT_RDWR);
+    ::close(fd);
+    fd = -1;
+  }
+}
+
+int connect_within(const std::string& host, int port, double timeout_s, const std::string& what) {
+  try {
+    return connect_to(host + ":" + std::to_string(port), timeout_s, nullptr);
+  } catch (const TcpError& e) {
+    throw PeerError("could not connect to " + what + ": " + e.what());
+  }
+}
+
+namespace {
+
+// Rethrows the TcpError of a transfer to or from `what` as jaxodc's error type.
+[[noreturn]] void rethrow_as_jaxodc(const TcpError& e, double timeout_s, const char* direction,
+                                    const std::string& what) {
+  if (e.kind == ErrKind::kTimeout)
+    throw TimeoutError("timed out after " + std::to_string(timeout_s) + " s " + direction + " " + what);
+  throw PeerError("connection to " + std::string(e.what()));
+}
+
+}  // namespace
+
+void send_within(int fd, const void* buf, size_t n, double timeout_s, const std::string& what) {
+  try {
+    send_all(fd, buf, n, now_seconds() + timeout_s, nullptr, what);
+  } catch (const TcpError& e) {
+    rethrow_as_jaxodc(e, timeout_s, "sending to", what);
+  }
+}
+
+void recv_within(int fd, void* buf, size_t n, double timeout_s, const std::string& what) {
+  try {
+    recv_all(fd, buf, n, now_seconds() + timeout_s, nullptr, what);
+  } catch (const TcpError& e) {
+    rethrow_as_jaxodc(e, timeout_s, "receiving from", what);
   }
 }
 

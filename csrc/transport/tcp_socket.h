@@ -1,6 +1,7 @@
-// Small TCP helpers shared by the ring transport: listen/connect with deadlines, full reads and
-// writes that give up on a deadline or an abort flag, and "host:port" parsing. Errors are reported
-// as TcpError with a kind so callers can map them to timeout / connection / abort.
+// The TCP helpers of every native transport (the ring and ODC's tcp / nvshmem transports):
+// listen/connect with deadlines, full reads and writes that give up on a deadline or an abort
+// flag, and "host:port" parsing. Errors are TcpError with a kind so callers can map them to
+// timeout / connection / abort; the *_within variants report jaxodc's error types instead.
 #pragma once
 
 #include <atomic>
@@ -17,8 +18,6 @@ struct TcpError : std::runtime_error {
   TcpError(ErrKind k, const std::string& msg) : std::runtime_error(msg), kind(k) {}
 };
 
-double now_s();  // CLOCK_MONOTONIC seconds (system-wide, so comparable across local processes)
-
 // Splits "host:port"; throws std::invalid_argument naming the address.
 void split_address(const std::string& addr, std::string* host, int* port);
 
@@ -32,13 +31,23 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
 void set_nonblocking(int fd, bool on);
 void tune_socket(int fd);  // TCP_NODELAY and large kernel buffers
 
-// Reads/writes exactly n bytes before `deadline` (now_s() based); what names the operation in
-// errors. abort_flag (may be null) is checked at least every 50 ms.
+// Reads/writes exactly n bytes before `deadline` (a now_seconds() time, common/sync.h); `what`
+// names the operation in errors. abort_flag (may be null) is checked at least every 50 ms.
 void send_all(int fd, const void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
               const std::string& what);
 void recv_all(int fd, void* buf, size_t n, double deadline, const std::atomic<bool>* abort_flag,
               const std::string& what);
 
 void fill_random(void* buf, size_t n);
+
+// Shuts down and closes fd (if open) and sets it to -1.
+void close_fd(int& fd);
+
+// For callers that report jaxodc's error types (common/sync.h): timeouts relative to now;
+// PeerError when the peer cannot be reached, closed or reset the connection; TimeoutError naming
+// `what`.
+int connect_within(const std::string& host, int port, double timeout_s, const std::string& what);
+void send_within(int fd, const void* buf, size_t n, double timeout_s, const std::string& what);
+void recv_within(int fd, void* buf, size_t n, double timeout_s, const std::string& what);
 
 }  // namespace jaxodc::tcp

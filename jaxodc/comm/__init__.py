@@ -15,4 +15,11 @@ from jaxodc.comm.shared_state import STRATEGIES, SyncInfo
 from jaxodc.coord.topology import solve_ring
 
 __all__ = ["AllReduceHandle", "CollectiveAborted", "CommError", "Communicator", "MasterUnavailable",
-           "NotAccepted", "TopologyStale", "STRATEGIES", "SyncInfo", "solve_ring"]
+           "NotAccepted", "RingAborted", "TopologyStale", "STRATEGIES", "SyncInfo", "solve_ring"]
+
+
+def __getattr__(name):
+    if name == "RingAborted":  # defined beside the native ring, which loads the extension
+        from jaxodc.comm.ring import RingAborted
+        return RingAborted
+    raise AttributeError(f"module 'jaxodc.comm' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxodc import _C
+import jaxodc._C as _C
 
 try:  # bfloat16 comes with jax
     from ml_dtypes import bfloat16 as _bf16
@@ -104,7 +104,6 @@ class RingEndpoint:
         self._ep = _C.RingEndpoint(host, int(port), int(pool_size), bytes(secret), float(timeout_s))
         self.pool_size = int(pool_size)
         self.timeout_s = float(timeout_s)
-        _C.ring_register(self._ep)
         self._closed = False
 
     @property
@@ -113,7 +112,7 @@ class RingEndpoint:
 
     @property
     def handle(self) -> int:
-        """Integer that names this endpoint inside jitted code (jaxodc.ops.allreduce)."""
+        """Integer that names this endpoint inside jitted code (jaxodc.ops.all_reduce) until close."""
         return int(self._ep.handle)
 
     @property
@@ -183,7 +182,6 @@ class RingEndpoint:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            _C.ring_unregister(self.handle)
             self._ep.close()
 
     def __enter__(self):

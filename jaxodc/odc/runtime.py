@@ -4,7 +4,8 @@ Typical use (one process per rank)::
 
     rt = Runtime.create(unit_sizes, ctx)          # ctx from jaxodc.launch.context.init_from_env()
     rt.publish(u, initial_shard, version=0)
-    ... jitted steps gather version v and push gradients for version v ...
+    ... jitted steps gather version v and push gradients for version v, naming the runtime:
+        jaxodc.ops.odc_gather(shard, v, runtime=rt, unit=u, numel=n) ...
     rt.done(v); rt.wait_complete(v)
     g = rt.fetch_grad(u); rt.publish(u, new_shard, v + 1)
 
@@ -184,13 +185,25 @@ def _close_all() -> None:
 
 
 class Runtime:
-    """Python face of the native runtime; see the module docstring."""
+    """One rank's ODC runtime: server memory for its shards of every unit and one-sided access to
+    every peer's (see the module docstring). A context manager: leaving closes it.
+
+    Args:
+      unit_sizes: elements of each unit; every rank passes the same (else LayoutMismatchError).
+      rank, world: this process's rank and the number of ranks.
+      rendezvous: exchanges the peers' addresses (jaxodc.launch.rendezvous; unused when world == 1).
+      job_id: names the job's shared-memory segments (letters, digits, '_').
+      transport: "auto", "shm", "tcp", "cuda_ipc" or "nvshmem", or {rank: transport} per peer.
+      timeout_s: bound on every wait for a peer.
+      listen_host: address of this rank's TCP server (default $JAXODC_ODC_HOST or 127.0.0.1).
+      device: "auto", None (host memory only) or a CUDA ordinal for the server memory.
+      slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller slots
+        save server memory, pushes then travel in chunks. Every rank must pass the same.
+    """
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
                  listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0):
-        # slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller
-        # slots save server memory, pushes then travel in chunks. Every rank must pass the same.
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
@@ -216,7 +229,7 @@ class Runtime:
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
             self.nvshmem = self._join_nvshmem(infos, rendezvous)
-            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port, i.pid)
+            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
                                   for i, t in zip(infos, self.transports)])
             if world > 1:
                 rendezvous.barrier(f"odc/{job_id}/connected", world)
@@ -225,7 +238,6 @@ class Runtime:
         except BaseException:
             self._native.close(collective=False)
             raise
-        self._native.make_current()
         self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._closed = False
         _live.add(self)
@@ -251,12 +263,29 @@ class Runtime:
 
     @classmethod
     def create(cls, unit_sizes: Sequence[int], ctx, **kwargs) -> "Runtime":
-        """Builds the runtime from a jaxodc.launch.context.Context."""
+        """Builds the runtime from a jaxodc.launch.Context (its rank, world, rendezvous and job id).
+
+        Args:
+          unit_sizes: as for Runtime.
+          ctx: a jaxodc.launch.Context.
+          **kwargs: Runtime's keyword arguments (transport, timeout_s, device, ...).
+        """
         return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
                    job_id=ctx.job_id, **kwargs)
 
+    @property
+    def handle(self) -> int:
+        """Names this runtime in jitted ODC ops (their `runtime=` accepts it or the Runtime)."""
+        return int(self._native.handle)
+
+    @property
+    def slot_elems(self) -> int:
+        """fp32 elements per receive slot."""
+        return self._native.slot_elems
+
     # Layout -------------------------------------------------------------------------------
     def shard_size(self, unit: int) -> int:
+        """Elements of every rank's shard of `unit` (the last ranks' shards are padded)."""
         return self._native.shard_size(unit)
 
     def shard_range(self, unit: int) -> tuple[int, int]:
@@ -267,44 +296,91 @@ class Runtime:
 
     # Worker side ----------------------------------------------------------------------------
     def gather(self, unit: int, version: int, dtype=np.float32) -> np.ndarray:
+        """Reads the whole unit from every owner (outside jit; see jaxodc.ops.odc_gather).
+
+        Args:
+          unit: the unit's index.
+          version: waits until every owner published at least this version.
+          dtype: float32 or bfloat16 (ml_dtypes) of the result.
+
+        Returns:
+          The flat unit.
+        """
         out = np.empty(self._native.numel(unit), dtype=dtype)
         self._native.gather(unit, version, out)
         return out
 
     def scatter_accumulate(self, unit: int, version: int, grad: np.ndarray, offset: int | None = None) -> None:
-        """Adds `grad` into the owners' accumulators: the whole flat unit, or with `offset` its
-        elements [offset, offset + grad.size) only."""
+        """Adds `grad` into the owners' accumulators for minibatch `version`.
+
+        Args:
+          unit: the unit's index.
+          version: the minibatch the gradient belongs to (the owners' current one).
+          grad: float32 or bfloat16; the whole flat unit, or with `offset` its elements
+            [offset, offset + grad.size).
+          offset: see `grad`.
+        """
         flat = np.ascontiguousarray(grad).reshape(-1)
         if offset is None:
             self._native.scatter_accumulate(unit, version, flat)
         else:
             self._native.scatter_accumulate_range(unit, version, int(offset), flat)
 
-    @property
-    def slot_elems(self) -> int:
-        return self._native.slot_elems
-
     def done(self, version: int) -> None:
+        """Tells every owner this rank pushed its last gradient of minibatch `version`."""
         self._native.done(version)
 
     def claim(self, version: int, owner: int, count: int, steal: bool = False) -> int:
-        """LB-Steal: one of rank `owner`'s `count` microbatches of minibatch `version` -- the
-        owner takes from the front, a thief (`steal`) from the back; -1 when none is left. The
-        deque lives in the owner's segment (an atomic word; a request to it over tcp). Every
-        caller passes the same count for one (version, owner)."""
+        """LB-Steal: claims one of rank `owner`'s microbatches of minibatch `version`.
+
+        The deque lives in the owner's segment (an atomic word; a request to it over tcp).
+
+        Args:
+          version: the minibatch.
+          owner: the rank whose deque to take from.
+          count: the owner's number of microbatches; every caller passes the same for one
+            (version, owner).
+          steal: take from the back (a thief) instead of the front (the owner).
+
+        Returns:
+          The microbatch's index, or -1 when none is left.
+        """
         return self._native.claim(int(version), int(owner), int(count), bool(steal))
 
     def allgather_scalar(self, version: int, value: float) -> np.ndarray:
+        """Every rank's `value`; all ranks make the same sequence of calls.
+
+        Args:
+          version: labels errors only.
+          value: this rank's scalar.
+
+        Returns:
+          float64 array of world values, by rank.
+        """
         return np.asarray(self._native.allgather_scalar(version, float(value)))
 
     # Owner side -----------------------------------------------------------------------------
     def wait_complete(self, version: int) -> None:
+        """Waits until every rank sent done(version) and its pushes are accumulated here."""
         self._native.wait_complete(version)
 
     def fetch_grad(self, unit: int) -> np.ndarray:
+        """The summed gradient of my shard of `unit` for the completed minibatch (a copy; the
+        accumulator is cleared).
+
+        Returns:
+          float32 array of shard_size(unit) elements.
+        """
         return self._native.fetch_grad(unit)
 
     def publish(self, unit: int, shard, version: int) -> None:
+        """Publishes my new master shard of `unit` as `version` (after wait_complete(version - 1)).
+
+        Args:
+          unit: the unit's index.
+          shard: shard_size(unit) float32 values.
+          version: moves the unit forward; peers gathering it wait for it.
+        """
         self._native.publish(unit, np.ascontiguousarray(shard, dtype=np.float32).reshape(-1), version)
 
     # Zero-copy owner path: the optimizer reads the summed gradient where it accumulated and
@@ -316,6 +392,7 @@ class Runtime:
         return self._native.grad_view(unit)
 
     def clear_grad(self, unit: int) -> None:
+        """Zeroes the accumulator of `unit` lent by grad_view (before publish_in_place)."""
         self._native.clear_grad(unit)
 
     def master_view(self, unit: int) -> np.ndarray:
@@ -328,21 +405,24 @@ class Runtime:
         self._native.publish_in_place(unit, version)
 
     def published_version(self, unit: int) -> int:
+        """The version of my shard of `unit` peers can read (-1 before the first publish)."""
         return self._native.published_version(unit)
 
     def read_shard(self, unit: int) -> np.ndarray:
+        """A copy of my published master shard of `unit`."""
         return self._native.read_shard(unit)
 
     def stats(self) -> dict:
+        """Memory (slot/master/accumulator/segment/device bytes) and traffic counters."""
         return self._native.stats()
 
-    def make_current(self) -> None:
-        """Makes the jitted ODC ops of this process use this runtime."""
-        self._native.make_current()
-
     def close(self, barrier: bool = True) -> None:
-        """Shuts the runtime down. With `barrier`, first waits until every rank is closing, so no
-        peer still reading this rank's shards loses them; pass False after a failure."""
+        """Shuts the runtime down; its handle is dead from then on.
+
+        Args:
+          barrier: first wait until every rank is closing, so no peer still reading this rank's
+            shards loses them; pass False after a failure.
+        """
         if getattr(self, "_closed", True):
             return
         self._closed = True

@@ -141,12 +141,16 @@ def _check(q, k, v, segment_ids, impl):
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                       impl: str = "auto") -> jax.Array:
-    """Causal attention within each packed sample.
+    """Causal attention within each packed sample. Works under jit and grad; under vmap the
+    kernel runs once per mapped element.
 
-    q, k, v: [B, T, H, Dh] float32 or bfloat16 (all the same dtype); segment_ids: [B, T] integer,
-    each sample one contiguous run of one id, 0 = padding. Returns [B, T, H, Dh] in q's dtype.
-    impl: "auto" (kernel on CPU, dense elsewhere), "dense" or "kernel" (CPU only). Works under
-    jit and grad; under vmap the kernel runs once per mapped element.
+    Args:
+      q, k, v: [B, T, H, Dh], float32 or bfloat16 (all the same dtype).
+      segment_ids: [B, T] integer; each sample is one contiguous run of one id, 0 = padding.
+      impl: "auto" (kernel on CPU, dense elsewhere), "dense" or "kernel" (CPU only).
+
+    Returns:
+      [B, T, H, Dh] in q's dtype.
     """
     return _segment_attention(q, k, v, segment_ids, impl=impl)
 

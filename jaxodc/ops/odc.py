@@ -2,7 +2,10 @@
 the cotangent to the owners (scatter-accumulate), so `jax.grad` of an ordinary loss drives the
 whole exchange layer by layer. Both run as XLA FFI custom calls inside `jax.jit`.
 `odc_gather_pieces` returns the unit cut into pieces (its parameters) and pushes each piece's
-cotangent on its own (CPU), so the unit's gradient is never concatenated into one buffer."""
+cotangent on its own (CPU), so the unit's gradient is never concatenated into one buffer.
+
+Every op names its runtime explicitly (`runtime=`: a `jaxodc.odc.Runtime` or its `handle`, passed
+to the handler as an np.int64 attribute), so one process may hold several runtimes."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc import _native
+from jaxodc.ops._common import native_handle, new_token
 
 _native.register_targets()
 
@@ -25,42 +29,41 @@ def _reject_vmap(op: str, unit: int, *args) -> None:
             "outside vmap and vmap only the computation that uses the gathered parameters.")
 
 
-def _gather_call(local_shard, version, *, unit: int, numel: int, dtype):
+def _gather_call(local_shard, version, *, runtime: np.int64, unit: int, numel: int, dtype):
     return jax.ffi.ffi_call(
         "jaxodc_odc_gather", jax.ShapeDtypeStruct((numel,), dtype),
-    )(local_shard, version, unit=np.int64(unit))
+    )(local_shard, version, runtime=runtime, unit=np.int64(unit))
 
 
-def _scatter_call(local_shard, grad, version, *, unit: int):
+def _scatter_call(local_shard, grad, version, token, *, runtime: np.int64, unit: int, offset: int | None = None):
+    # offset None: `grad` is the whole unit; else elements [offset, offset + grad.size) of it.
+    target, attrs = "jaxodc_odc_scatter", {}
+    if offset is not None:
+        target, attrs = "jaxodc_odc_scatter_range", {"offset": np.int64(offset)}
     return jax.ffi.ffi_call(
-        "jaxodc_odc_scatter", jax.ShapeDtypeStruct((), jnp.uint32), has_side_effect=True,
-    )(local_shard, grad, version, unit=np.int64(unit))
-
-
-def _scatter_range_call(local_shard, grad, version, *, unit: int, offset: int):
-    return jax.ffi.ffi_call(
-        "jaxodc_odc_scatter_range", jax.ShapeDtypeStruct((), jnp.uint32), has_side_effect=True,
-    )(local_shard, grad, version, unit=np.int64(unit), offset=np.int64(offset))
+        target, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True,
+    )(local_shard, grad, version, token, runtime=runtime, unit=np.int64(unit), **attrs)
 
 
 def _zero_after(local_shard, tokens):
     # The shard's own gradient went to its owners; the zero returned for it depends on the pushes'
     # tokens so the pushes are ordered before anything that consumes it.
-    return jnp.zeros_like(local_shard) + sum(tokens).astype(local_shard.dtype) * 0
+    return jnp.zeros_like(local_shard) + jnp.concatenate(tokens).sum().astype(local_shard.dtype) * 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _gather(local_shard, version, unit, numel, dtype):
-    return _gather_call(local_shard, version, unit=unit, numel=numel, dtype=dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _gather(local_shard, version, runtime, unit, numel, dtype):
+    return _gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype)
 
 
-def _gather_fwd(local_shard, version, unit, numel, dtype):
-    return _gather_call(local_shard, version, unit=unit, numel=numel, dtype=dtype), (local_shard, version)
+def _gather_fwd(local_shard, version, runtime, unit, numel, dtype):
+    full = _gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype)
+    return full, (local_shard, version)
 
 
-def _gather_bwd(unit, numel, dtype, residuals, cotangent):
+def _gather_bwd(runtime, unit, numel, dtype, residuals, cotangent):
     local_shard, version = residuals
-    token = _scatter_call(local_shard, cotangent, version, unit=unit)
+    token = _scatter_call(local_shard, cotangent, version, new_token(), runtime=runtime, unit=unit)
     return _zero_after(local_shard, [token]), np.zeros(np.shape(version), dtype=jax.dtypes.float0)
 
 
@@ -71,18 +74,20 @@ def _cut(full, pieces):
     return tuple(full[o:o + n] for o, n in pieces)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _gather_pieces(local_shard, version, unit, numel, pieces, dtype):
-    return _cut(_gather_call(local_shard, version, unit=unit, numel=numel, dtype=dtype), pieces)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _gather_pieces(local_shard, version, runtime, unit, numel, pieces, dtype):
+    return _cut(_gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype), pieces)
 
 
-def _gather_pieces_fwd(local_shard, version, unit, numel, pieces, dtype):
-    return _gather_pieces(local_shard, version, unit, numel, pieces, dtype), (local_shard, version)
+def _gather_pieces_fwd(local_shard, version, runtime, unit, numel, pieces, dtype):
+    return _gather_pieces(local_shard, version, runtime, unit, numel, pieces, dtype), (local_shard, version)
 
 
-def _gather_pieces_bwd(unit, numel, pieces, dtype, residuals, cotangents):
+def _gather_pieces_bwd(runtime, unit, numel, pieces, dtype, residuals, cotangents):
     local_shard, version = residuals
-    tokens = [_scatter_range_call(local_shard, ct, version, unit=unit, offset=o)
+    # A fresh token each: the pushes need no order among themselves, so each may leave as soon as
+    # XLA has its cotangent.
+    tokens = [_scatter_call(local_shard, ct, version, new_token(), runtime=runtime, unit=unit, offset=o)
               for ct, (o, _) in zip(cotangents, pieces)]
     return _zero_after(local_shard, tokens), np.zeros(np.shape(version), dtype=jax.dtypes.float0)
 
@@ -90,8 +95,10 @@ def _gather_pieces_bwd(unit, numel, pieces, dtype, residuals, cotangents):
 _gather_pieces.defvjp(_gather_pieces_fwd, _gather_pieces_bwd)
 
 
-def _checked_version(op: str, unit: int, local_shard, version, dtype) -> jax.Array:
-    """Validates a gather's arguments (naming op and unit); the version as an int32 scalar."""
+def _checked(op: str, runtime, unit: int, local_shard, version, dtype) -> tuple[np.int64, jax.Array]:
+    """Validates a gather's arguments (naming op and unit); the runtime attribute and the version
+    as an int32 scalar."""
+    handle = native_handle(runtime, op, "jaxodc.odc.Runtime")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"{op}: unit {unit}: dtype must be float32 or bfloat16, got {dtype}")
     if local_shard.dtype != jnp.float32 or local_shard.ndim != 1:
@@ -101,54 +108,96 @@ def _checked_version(op: str, unit: int, local_shard, version, dtype) -> jax.Arr
     version = jnp.asarray(version, dtype=jnp.int32)
     if version.ndim != 0:
         raise TypeError(f"{op}: unit {unit}: version must be a scalar")
-    return version
+    return handle, version
 
 
-def odc_gather(local_shard: jax.Array, version, *, unit: int, numel: int, dtype=jnp.float32) -> jax.Array:
-    """Full flat unit `unit` (numel elements, `dtype`) at parameter version >= `version`.
+def odc_gather(local_shard: jax.Array, version, *, runtime, unit: int, numel: int, dtype=jnp.float32) -> jax.Array:
+    """The whole flat unit `unit`, read from every owner at parameter version >= `version`.
 
-    local_shard: this rank's float32 shard of the unit (the differentiation path: its gradient
-    is zero locally because the unit's gradient is pushed to every owner in the backward pass).
-    version: int32 scalar (a traced value, so the jitted step does not recompile per minibatch).
+    Differentiable: the backward pass pushes the cotangent to the owners' accumulators
+    (scatter-accumulate) and returns a zero gradient for `local_shard`.
+
+    Args:
+      local_shard: this rank's float32 shard of the unit (the differentiation path).
+      version: int32 scalar; a traced value, so the jitted step does not recompile per minibatch.
+      runtime: the `jaxodc.odc.Runtime` holding the unit (or its `handle`).
+      unit: the unit's index in the runtime's layout.
+      numel: the unit's number of elements.
+      dtype: float32 or bfloat16, the dtype of the result (cast after the copy).
+
+    Returns:
+      The unit, shape (numel,), of `dtype`.
     """
-    version = _checked_version("odc_gather", unit, local_shard, version, dtype)
-    return _gather(local_shard, version, int(unit), int(numel), jnp.dtype(dtype))
+    handle, version = _checked("odc_gather", runtime, unit, local_shard, version, dtype)
+    return _gather(local_shard, version, handle, int(unit), int(numel), jnp.dtype(dtype))
 
 
-def odc_gather_pieces(local_shard: jax.Array, version, *, unit: int, numel: int, pieces, dtype=jnp.float32):
-    """`odc_gather`, returned as the flat slices [offset, offset + size) of `pieces` (a sequence
-    of (offset, size), e.g. one per parameter of the unit). Its VJP pushes each piece's cotangent
-    to the owners separately (`odc_scatter_accumulate` with an offset), as soon as XLA has it, so
-    the unit's gradient is never concatenated and each piece's can be freed after its push.
-    Elements outside every piece (padding) receive no gradient. CPU only (the range push has no
-    CUDA handler; use odc_gather there)."""
+def odc_gather_pieces(local_shard: jax.Array, version, *, runtime, unit: int, numel: int, pieces,
+                      dtype=jnp.float32) -> tuple[jax.Array, ...]:
+    """`odc_gather`, returned as the flat slices of `pieces` (e.g. one per parameter of the unit).
+
+    Its VJP pushes each piece's cotangent to the owners separately, as soon as XLA has it, so the
+    unit's gradient is never concatenated and each piece's can be freed after its push. Elements
+    outside every piece (padding) receive no gradient. CPU only (the range push has no CUDA
+    handler; use odc_gather there).
+
+    Args:
+      local_shard, version, runtime, unit, numel, dtype: as for `odc_gather`.
+      pieces: sequence of (offset, size) within [0, numel).
+
+    Returns:
+      One array per piece, shape (size,), of `dtype`.
+    """
     pieces = tuple((int(o), int(n)) for o, n in pieces)
     for o, n in pieces:
         if o < 0 or n < 0 or o + n > numel:
             raise ValueError(f"odc_gather_pieces: unit {unit}: piece [{o}, {o + n}) outside its {numel} elements")
-    version = _checked_version("odc_gather_pieces", unit, local_shard, version, dtype)
-    return _gather_pieces(local_shard, version, int(unit), int(numel), pieces, jnp.dtype(dtype))
+    handle, version = _checked("odc_gather_pieces", runtime, unit, local_shard, version, dtype)
+    return _gather_pieces(local_shard, version, handle, int(unit), int(numel), pieces, jnp.dtype(dtype))
 
 
-def odc_gather_into(buffer: jax.Array, local_shard: jax.Array, version, *, unit: int) -> jax.Array:
-    """`odc_gather` into an existing flat buffer (float32 or bfloat16) that XLA may reuse for the
-    result: under `jax.jit(..., donate_argnums=0)` no new output is allocated, which keeps
-    persistent gather buffers (e.g. a prefetch double buffer) free of allocation costs.
-    Not differentiable; use odc_gather inside losses."""
+def odc_gather_into(buffer: jax.Array, local_shard: jax.Array, version, *, runtime, unit: int) -> jax.Array:
+    """`odc_gather` into an existing flat buffer that XLA may reuse for the result.
+
+    Under `jax.jit(..., donate_argnums=0)` no new output is allocated, which keeps persistent
+    gather buffers (e.g. a prefetch double buffer) free of allocation costs. Not differentiable;
+    use odc_gather inside losses.
+
+    Args:
+      buffer: flat float32 or bfloat16 array of the unit's size (its dtype is the result's).
+      local_shard, version, runtime, unit: as for `odc_gather`.
+
+    Returns:
+      The unit, in `buffer`'s shape and dtype (aliased to it).
+    """
+    handle = native_handle(runtime, "odc_gather_into", "jaxodc.odc.Runtime")
     _reject_vmap("odc_gather_into", unit, buffer, local_shard, version)
     if buffer.ndim != 1 or buffer.dtype not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"odc_gather_into: unit {unit}: buffer must be a flat float32/bfloat16 array")
     return jax.ffi.ffi_call("jaxodc_odc_gather_into", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
                             input_output_aliases={0: 0})(
-        buffer, local_shard, jnp.asarray(version, dtype=jnp.int32), unit=np.int64(unit))
+        buffer, local_shard, jnp.asarray(version, dtype=jnp.int32), runtime=handle, unit=np.int64(unit))
 
 
-def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, unit: int,
-                           offset: int | None = None) -> jax.Array:
-    """Pushes `grad` (the full flat unit, or with `offset` its elements [offset, offset +
-    grad.size), CPU only) to the owners' accumulators; returns an ordering token."""
+def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, runtime, unit: int,
+                           offset: int | None = None, token=None) -> jax.Array:
+    """Adds `grad` into the owners' accumulators of unit `unit` for minibatch `version`.
+
+    Args:
+      local_shard: this rank's float32 shard of the unit.
+      grad: float32 or bfloat16; the whole flat unit, or with `offset` its elements
+        [offset, offset + grad.size) (CPU only).
+      version: int32 scalar, the minibatch the gradient belongs to.
+      runtime: the `jaxodc.odc.Runtime` holding the unit (or its `handle`).
+      unit: the unit's index in the runtime's layout.
+      offset: see `grad`.
+      token: the ordering token of the previous communicating op (default: a fresh one).
+
+    Returns:
+      The ordering token for the next op (int32[1], see jaxodc.ops.new_token).
+    """
+    handle = native_handle(runtime, "odc_scatter_accumulate", "jaxodc.odc.Runtime")
     _reject_vmap("odc_scatter_accumulate", unit, local_shard, grad, version)
-    version = jnp.asarray(version, dtype=jnp.int32)
-    if offset is None:
-        return _scatter_call(local_shard, grad, version, unit=int(unit))
-    return _scatter_range_call(local_shard, jnp.ravel(grad), version, unit=int(unit), offset=int(offset))
+    return _scatter_call(local_shard, grad if offset is None else jnp.ravel(grad),
+                         jnp.asarray(version, dtype=jnp.int32), new_token() if token is None else token,
+                         runtime=handle, unit=int(unit), offset=None if offset is None else int(offset))

@@ -82,9 +82,11 @@ def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = No
 
     def gather(shard, spec, version):
         if per_leaf:
-            return tuple(f32(x) for x in odc_gather_pieces(shard, version, unit=spec.index, numel=spec.padded,
-                                                           pieces=spec.leaf_pieces(), dtype=compute_dtype))
-        return f32(odc_gather(shard, version, unit=spec.index, numel=spec.padded, dtype=compute_dtype))
+            return tuple(f32(x) for x in odc_gather_pieces(shard, version, runtime=runtime, unit=spec.index,
+                                                           numel=spec.padded, pieces=spec.leaf_pieces(),
+                                                           dtype=compute_dtype))
+        return f32(odc_gather(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded,
+                              dtype=compute_dtype))
 
     return gather
 

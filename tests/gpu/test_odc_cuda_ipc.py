@@ -74,19 +74,19 @@ def exchange_body(ctx, transport, device):
 
     # gather, fp32 and bf16, every unit
     for u, n in enumerate(SIZES):
-        g32 = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, unit=u, numel=n))(shards[u], 0)
+        g32 = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, runtime=rt, unit=u, numel=n))(shards[u], 0)
         np.testing.assert_array_equal(np.asarray(g32), values(u, n, 0), err_msg=f"fp32 unit {u}")
-        g16 = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, unit=u, numel=n, dtype=jnp.bfloat16))(shards[u], 0)
+        g16 = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, runtime=rt, unit=u, numel=n, dtype=jnp.bfloat16))(shards[u], 0)
         assert g16.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(g16.astype(jnp.float32)), to_bf16_f32(values(u, n, 0)),
                                       err_msg=f"bf16 unit {u}")
-    gi = jax.jit(lambda b, s, v: odc_gather_into(b, s, v, unit=4), donate_argnums=0)
+    gi = jax.jit(lambda b, s, v: odc_gather_into(b, s, v, runtime=rt, unit=4), donate_argnums=0)
     buf = gi(jnp.zeros(SIZES[4], jnp.float32), shards[4], 0)
     buf = gi(buf, shards[4], 0)  # twice: the donated buffer is reused
     np.testing.assert_array_equal(np.asarray(buf), values(4, SIZES[4], 0))
 
     # scatter-accumulate: device fp32 pushes (random count), one bf16 device push, one host push
-    scatter = jax.jit(lambda s, g, v, u: odc_scatter_accumulate(s, g, v, unit=u), static_argnums=3)
+    scatter = jax.jit(lambda s, g, v, u: odc_scatter_accumulate(s, g, v, runtime=rt, unit=u), static_argnums=3)
     for push in pushes_of(ctx.rank, ctx.world):
         for u, g in push.items():
             jax.block_until_ready(scatter(shards[u], jnp.asarray(g), 0, u))
@@ -110,7 +110,7 @@ def exchange_body(ctx, transport, device):
     # minibatch 1: the device masters are overwritten; gather sees exactly the new values
     publish_all(rt, 1)
     for u, n in enumerate(SIZES):
-        got = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, unit=u, numel=n))(shards[u], 1)
+        got = jax.jit(lambda s, v, u=u, n=n: odc_gather(s, v, runtime=rt, unit=u, numel=n))(shards[u], 1)
         np.testing.assert_array_equal(np.asarray(got), values(u, n, 1), err_msg=f"version 1 unit {u}")
 
     # jax.grad through odc_gather pushes the owners their gradient (minibatch 1)
@@ -155,7 +155,7 @@ def dying_body(ctx, mode, report, transport="auto", expect="cuda_ipc"):
         rt.wait_complete(0)
     if ctx.rank == 1:
         if mode == "push":  # lands in rank 0's device slot, then rank 1 dies before done(0)
-            jax.block_until_ready(jax.jit(lambda s, g: odc_scatter_accumulate(s, g, 0, unit=0))(
+            jax.block_until_ready(jax.jit(lambda s, g: odc_scatter_accumulate(s, g, 0, runtime=rt, unit=0))(
                 shard, jnp.ones(1000, jnp.float32)))
         ctx.barrier("ready")
         time.sleep(0.2)
@@ -166,7 +166,7 @@ def dying_body(ctx, mode, report, transport="auto", expect="cuda_ipc"):
     start = time.monotonic()
     try:
         if mode == "gather":  # rank 1 never publishes version 1
-            jax.block_until_ready(jax.jit(lambda s: odc_gather(s, 1, unit=0, numel=1000))(shard))
+            jax.block_until_ready(jax.jit(lambda s: odc_gather(s, 1, runtime=rt, unit=0, numel=1000))(shard))
         else:
             rt.done(0)
             rt.wait_complete(0)

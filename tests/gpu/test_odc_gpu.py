@@ -32,7 +32,7 @@ def gpu_body(ctx):
         rt.publish(u, shard, 0)
     shards = [jnp.asarray(rt.read_shard(u)) for u in range(len(SIZES))]
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = jax.jit(lambda s, d=dtype: odc_gather(s, 0, unit=2, numel=SIZES[2], dtype=d))(shards[2])
+        got = jax.jit(lambda s, d=dtype: odc_gather(s, 0, runtime=rt, unit=2, numel=SIZES[2], dtype=d))(shards[2])
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                       np.asarray(jnp.asarray(full[2]).astype(dtype).astype(jnp.float32)))
 

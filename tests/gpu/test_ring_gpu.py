@@ -10,7 +10,7 @@ import pytest
 from jaxodc import _C
 from jaxodc.comm.hashing import hash_array
 from jaxodc.comm.ring import RingEndpoint
-from jaxodc.ops.allreduce import all_reduce
+from jaxodc.ops import all_reduce
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +54,8 @@ def test_cuda_ffi_all_reduce_matches_cpu_ring(op, quantize):
 
         def gpu_peer():
             f = jax.jit(lambda v: all_reduce(v, eps[0], op=op, quantize=quantize))
-            y = f(jax.device_put(xs[0], dev))
+            y, token = f(jax.device_put(xs[0], dev))
+            assert int(token[0]) == 1
             assert y.devices() == {dev}
             return np.asarray(y)
 

@@ -19,9 +19,9 @@ def check_grad_reaches_owners(ctx, rt, shards, full, version, pieces=False):
 
     def gather(s, v, unit, numel):
         if not pieces:
-            return odc_gather(s, v, unit=unit, numel=numel)
+            return odc_gather(s, v, runtime=rt, unit=unit, numel=numel)
         cut = ((0, 9), (9, 30), (39, 6)) if unit == 0 else ((0, 27),)
-        return jnp.concatenate(odc_gather_pieces(s, v, unit=unit, numel=numel, pieces=cut))
+        return jnp.concatenate(odc_gather_pieces(s, v, runtime=rt, unit=unit, numel=numel, pieces=cut))
 
     def loss(s1, s2, x, v):
         return grad_loss(gather(s1, v, 0, 45), gather(s2, v, 1, 27), x)

@@ -1,4 +1,4 @@
-// CUDA FFI handler of the ring all-reduce. The ring engine (ring.cc) moves the bytes over TCP
+// CUDA FFI handler of the ring all-reduce. The ring engine (all_reduce.cc) moves the bytes over TCP
 // through pinned host buffers; every reduction, quantisation and dequantisation of a piece runs as
 // a kernel on the call's stream (StagedOps in staged_ops.h with the CudaDev below). The kernels use
 // the host path's arithmetic (reduce.h), so dequantised values are bit-identical to a CPU peer's.
@@ -11,7 +11,7 @@
 
 #include "ring/engine.h"
 #include "ring/staged_ops.h"
-#include "ring/ffi_ring.h"
+#include "ring/ffi.h"
 
 namespace ffi = xla::ffi;
 
@@ -126,8 +126,6 @@ __global__ void k_dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Tr
     out[i] = Tr::store(static_cast<typename Tr::A>(dequant_value(q[i], m)));
 }
 
-__global__ void k_token(const int32_t* in, int32_t* out) { out[0] = in[0] + 1; }
-
 // The CUDA device of StagedOps: scratch per XLA thread (each call synchronises its stream before
 // returning, so it is free again when the thread runs the next call), copies and kernels on the
 // call's stream.
@@ -173,13 +171,11 @@ struct CudaDev {
   }
 };
 
-}  // namespace
-
-static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer tok,
+ffi::Error AllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer tok,
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> tok_out,
                                 int64_t handle, int64_t op, int64_t quant, int64_t tag) {
   DType dt;
-  std::shared_ptr<Endpoint> ep;
+  Endpoint* ep;
   if (auto err = check_all_reduce(x, tok, handle, &dt, &ep); err.failure()) return err;
   size_t n = x.size_bytes();
   const char* xd = static_cast<const char*>(x.untyped_data());
@@ -195,15 +191,16 @@ static ffi::Error AllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
         [&] { check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "copy"); });
     if (r.status != Status::kOk)  // failed: the output is the untouched input, never a partial result
       check(cudaMemcpyAsync(yd, xd, n, cudaMemcpyDeviceToDevice, stream), "restore");
-    k_token<<<1, 1, 0, stream>>>(static_cast<const int32_t*>(tok.untyped_data()), static_cast<int32_t*>(tok_out->untyped_data()));
-    check(cudaGetLastError(), "token kernel");
+    check(advance_token(stream, tok, tok_out), "token kernel");
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
   return ffi_status(r);
 }
 
-}  // namespace jaxodc::ring
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxodc_ring_all_reduce_cuda, jaxodc::ring::AllReduceCuda,
-                              jaxodc::ring::bind_all_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RingAllReduceCuda, AllReduceCudaImpl,
+                              bind_all_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+
+}  // namespace jaxodc::ring

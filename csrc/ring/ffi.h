@@ -1,17 +1,24 @@
-// FFI glue shared by the CPU handler (ffi_cpu.cc) and the CUDA handler (ring_cuda.cu).
+// XLA FFI handlers of the ring all-reduce: the CPU one in ffi_cpu.cc, the CUDA one in ffi_cuda.cu
+// (CUDA builds), registered by bindings.cc; and what both share.
 #pragma once
 
-#include <memory>
 #include <string>
 #include <utility>
 
+#include "ffi/token.h"
 #include "ring/ring.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxodc::ring {
 
+// (x, token) -> (y, token + 1); attrs handle, op, quant, tag (all int64).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAllReduceCpu);
+#ifdef JAXODC_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAllReduceCuda);
+#endif
+
 // The all-reduce signature of the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
-// bound first for CUDA): (x, ordering token) -> (result, token), matching jaxodc/ops/allreduce.py.
+// bound first for CUDA): (x, ordering token) -> (result, token), matching jaxodc/ops/ring.py.
 template <typename Binding>
 auto bind_all_reduce(Binding&& b) {
   return std::move(b).template Arg<xla::ffi::AnyBuffer>().template Arg<xla::ffi::AnyBuffer>()
@@ -35,13 +42,14 @@ inline bool ffi_dtype(xla::ffi::DataType t, DType* out) {
 
 // Operand checks of both handlers: sets the element type and the live endpoint of `handle`.
 inline xla::ffi::Error check_all_reduce(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& tok, int64_t handle,
-                                        DType* dt, std::shared_ptr<Endpoint>* ep) {
+                                        DType* dt, Endpoint** ep) {
   using xla::ffi::Error;
   if (!ffi_dtype(x.element_type(), dt)) return Error::InvalidArgument("ring all_reduce: unsupported dtype");
-  if (tok.element_type() != xla::ffi::DataType::S32 || tok.element_count() != 1)
-    return Error::InvalidArgument("ring all_reduce: token must be int32[1]");
+  if (auto err = check_token(tok, "ring all_reduce"); err.failure()) return err;
   *ep = endpoint_by_handle(handle);
-  if (!*ep) return Error::InvalidArgument("ring all_reduce: no live endpoint with handle " + std::to_string(handle));
+  if (!*ep)
+    return Error::InvalidArgument("ring all_reduce: no live endpoint with handle " + std::to_string(handle) +
+                                  " (closed, or never created in this process)");
   return Error::Success();
 }
 
@@ -57,9 +65,3 @@ inline xla::ffi::Error ffi_status(const OpResult& r) {
 }
 
 }  // namespace jaxodc::ring
-
-// Handlers: (x, token) -> (y, token + 1); attrs handle, op, quant, tag (all int64).
-extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cpu;
-#ifdef JAXODC_WITH_CUDA
-extern "C" XLA_FFI_Handler jaxodc_ring_all_reduce_cuda;
-#endif

@@ -1,6 +1,5 @@
+// CPU handlers of the ODC ops: the runtime reads and writes XLA's host buffers directly.
 #include "odc/ffi.h"
-
-#include "odc/ffi_common.h"
 
 namespace jaxodc::odc {
 
@@ -8,10 +7,10 @@ namespace {
 
 // Reads the full unit from every owner (waiting for their publication of `version`).
 ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version, ffi::Result<ffi::AnyBuffer> out,
-                         int64_t unit) {
+                         int64_t runtime, int64_t unit) {
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.gather", unit, local_shard.element_type(), local_shard.element_count(),
+  if (auto err = check_call("odc.gather", runtime, unit, local_shard.element_type(), local_shard.element_count(),
                             out->element_type(), out->element_count(), &rt, &type);
       err.failure())
     return err;
@@ -23,21 +22,23 @@ ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> versi
 
 // Same, into a caller-provided buffer aliased to the result (no fresh output allocation).
 ffi::Error GatherIntoCpuImpl(ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t unit) {
-  return GatherCpuImpl(local_shard, version, out, unit);
+                             ffi::Result<ffi::AnyBuffer> out, int64_t runtime, int64_t unit) {
+  return GatherCpuImpl(local_shard, version, out, runtime, unit);
 }
 
-// Pushes each owner's slice of `grad` into its accumulator; the token orders later effects.
+// Pushes each owner's slice of `grad` into its accumulator.
 ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
-                          ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit) {
+                          ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime, int64_t unit) {
+  const char* op = "odc.scatter_accumulate";
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.scatter_accumulate", unit, local_shard.element_type(), local_shard.element_count(),
+  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
                             grad.element_type(), grad.element_count(), &rt, &type);
       err.failure())
     return err;
+  if (auto err = check_token(token, op); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
-  token->typed_data()[0] = 0;
+  advance_token(token, token_out);
   return run_guarded([&] {
     rt->scatter_accumulate(static_cast<int>(unit), v, grad.untyped_data(), type,
                            static_cast<int64_t>(grad.element_count()));
@@ -47,16 +48,19 @@ ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::
 // Pushes elements [offset, offset + numel(grad)) of the unit (one parameter of it, say) to their
 // owners, so a unit's gradient never needs concatenating into one buffer.
 ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
-                               ffi::Result<ffi::Buffer<ffi::U32>> token, int64_t unit, int64_t offset) {
+                               ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime,
+                               int64_t unit, int64_t offset) {
+  const char* op = "odc.scatter_accumulate_range";
   Runtime* rt;
   ElemType type;
   // check_call validates the shard and dtype against the whole unit; the range is checked by the runtime.
-  if (auto err = check_call("odc.scatter_accumulate_range", unit, local_shard.element_type(),
-                            local_shard.element_count(), grad.element_type(), -1, &rt, &type);
+  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
+                            grad.element_type(), -1, &rt, &type);
       err.failure())
     return err;
+  if (auto err = check_token(token, op); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
-  token->typed_data()[0] = 0;
+  advance_token(token, token_out);
   return run_guarded([&] {
     rt->scatter_accumulate_range(static_cast<int>(unit), v, offset, grad.untyped_data(), type,
                                  static_cast<int64_t>(grad.element_count()));

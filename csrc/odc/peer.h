@@ -1,0 +1,135 @@
+// Internal to csrc/odc: one owner as this rank's worker reaches it, one class per transport.
+//   SelfPeer     this rank: its own segment; its own slice of a push is added locally
+//   ShmPeer      a same-host peer whose segment is mapped here (shm.cc); CudaIpcPeer adds its
+//                device block mapped with CUDA IPC (cuda_ipc.cu)
+//   TcpPeer      requests to the owner's TCP server (tcp_peer.cc); NvshmemPeer moves the device
+//                data with NVSHMEM instead (nvshmem.cu)
+// The runtime picks the class of each peer once, at connect.
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "odc/core.h"
+#include "odc/wire.h"
+
+namespace jaxodc::odc {
+
+class Runtime;
+
+class Peer {
+ public:
+  Peer(const Core& core, int rank) : core_(core), rank_(rank) {}
+  virtual ~Peer() = default;
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+  int rank() const { return rank_; }
+  std::string name() const { return "rank " + std::to_string(rank_); }
+
+  // A connection held while its reply is on the way; empty where nothing travels.
+  using Pending = std::unique_lock<std::mutex>;
+
+  // gather, in two steps so that requests to remote owners travel while local pieces are copied:
+  // request_piece asks for this owner's piece of `unit` at version >= `version`; read_piece then
+  // stores it at its place in `unit_out` (the whole unit, elements of `type`).
+  virtual Pending request_piece(int /*unit*/, int64_t /*version*/) { return {}; }
+  virtual void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) = 0;
+  // Adds `count` elements of `src` into this owner's shard of `unit`, from element `offset` on.
+  virtual void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+                    std::vector<float>& staging) = 0;
+  virtual void done(int64_t version) = 0;
+  virtual int64_t claim(int64_t version, int64_t count, bool steal) = 0;
+  // This owner's value of allgather_scalar call `seq`.
+  virtual double scalar(int64_t seq, const std::string& what) = 0;
+  // Throws PeerError naming `what` when this owner is known to be gone, so a wait on its memory
+  // does not run into its timeout.
+  virtual void check_alive(const std::string& /*what*/) const {}
+
+  // The CUDA handlers' path (Runtime::gather_device / scatter_device): whether this owner is
+  // reached in device memory, and its piece of a gather / push of fp32 device arrays.
+  virtual bool device_reachable() const { return false; }
+  virtual void gather_device(int unit, int64_t version, float* out, CUstream_st* stream);
+  virtual void push_device(int unit, int64_t version, const float* grad, CUstream_st* stream);
+
+  // Shutdown, in this order: say_goodbye (the owner then knows the closed connection is no
+  // failure); link_failed, once my server stopped, for a peer whose connection to me died;
+  // close, which releases what this rank holds of the owner.
+  virtual void say_goodbye() {}
+  virtual void link_failed() {}
+  virtual void close() {}
+
+ protected:
+  const Core& core_;
+  const int rank_;
+};
+
+// An owner whose segment is mapped in this process: reads, markers, claims and scalars work on it
+// directly.
+class MappedPeer : public Peer {
+ public:
+  MappedPeer(const Core& core, int rank, SegmentHeader* seg) : Peer(core, rank), seg_(seg) {}
+  void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
+  void done(int64_t version) override;
+  int64_t claim(int64_t version, int64_t count, bool steal) override;
+  double scalar(int64_t seq, const std::string& what) override;
+
+ protected:
+  SegmentHeader* seg_;
+};
+
+// This rank as the owner of its own shards; in device memory when it has a device.
+class SelfPeer final : public MappedPeer {
+ public:
+  SelfPeer(const Core& core, Runtime& rt);
+  void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+            std::vector<float>& staging) override;
+  bool device_reachable() const override { return core_.dev != nullptr; }
+  void gather_device(int unit, int64_t version, float* out, CUstream_st* stream) override;
+  void push_device(int unit, int64_t version, const float* grad, CUstream_st* stream) override;
+
+ private:
+  Runtime& rt_;  // its owner side accumulates my own slices
+};
+
+// A same-host peer: pushes go through my receive slot in its segment, in slot-sized chunks.
+class ShmPeer : public MappedPeer {
+ public:
+  ShmPeer(const Core& core, int rank, Mapping seg);
+  void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+            std::vector<float>& staging) override;
+  void check_alive(const std::string& what) const override;
+  void close() override { mapping_.reset(); }
+
+ protected:
+  Mapping mapping_;
+  const int pid_;
+};
+
+// A peer reached through its TCP server, which performs each operation on its segment.
+class TcpPeer : public Peer {
+ public:
+  TcpPeer(const Core& core, const PeerConfig& cfg);  // connects and checks the layout
+  ~TcpPeer() override { close(); }
+  Pending request_piece(int unit, int64_t version) override;
+  void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
+  void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+            std::vector<float>& staging) override;
+  void done(int64_t version) override;
+  int64_t claim(int64_t version, int64_t count, bool steal) override;
+  double scalar(int64_t seq, const std::string& what) override;
+  void say_goodbye() override;
+  void close() override;
+
+ protected:
+  // One request and its reply on the connection (an error reply throws PeerError(what: message)).
+  WireHeader call(const WireHeader& request, double reply_timeout_s, const std::string& what);
+  void send(const WireHeader& request);  // the caller holds mu_
+
+  std::mutex mu_;  // one request at a time on the connection
+  int fd_ = -1;
+};
+
+}  // namespace jaxodc::odc

@@ -1,0 +1,91 @@
+// The transports over mapped segments: this rank itself and same-host peers (shm). Reads and
+// writes go straight to the owner's memory; futexes in its segment wake the waiters.
+#include "odc/peer.h"
+#include "odc/runtime.h"
+
+namespace jaxodc::odc {
+
+void Peer::gather_device(int, int64_t, float*, CUstream_st*) {
+  throw Error(core_.who() + ": " + name() + " is not reached through device memory");
+}
+
+void Peer::push_device(int, int64_t, const float*, CUstream_st*) {
+  throw Error(core_.who() + ": " + name() + " is not reached through device memory");
+}
+
+void MappedPeer::read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>&) {
+  core_.wait_published(seg_, unit, version, this,
+                       "waiting for " + name() + " to publish unit " + std::to_string(unit) + " version " +
+                           std::to_string(version) + " (gather)");
+  int64_t lo, n;
+  core_.layout.piece(unit, rank_, &lo, &n);
+  if (n == 0) return;
+  UnitEntry* e = seg_->unit(unit);
+  const int64_t seen = e->version.load(std::memory_order_acquire);
+  store_from_f32(unit_out + lo * elem_size(type), type, seg_->master(unit), n);
+  if (e->version.load(std::memory_order_acquire) != seen)
+    throw Error("gather: " + name() + " republished unit " + std::to_string(unit) + " while " + core_.who() +
+                " was reading version " + std::to_string(seen));
+}
+
+void MappedPeer::done(int64_t version) {
+  seg_->done(core_.rank)->store(version, std::memory_order_release);
+  signal_event(&seg_->doorbell);
+}
+
+int64_t MappedPeer::claim(int64_t version, int64_t count, bool steal) {
+  return claim_microbatch(seg_, version, count, steal, rank_);
+}
+
+double MappedPeer::scalar(int64_t seq, const std::string& what) {
+  core_.wait_scalar(seg_, seq, this, what);
+  return seg_->scalar(seq)->value;
+}
+
+SelfPeer::SelfPeer(const Core& core, Runtime& rt) : MappedPeer(core, core.rank, core.seg), rt_(rt) {}
+
+void SelfPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+                    std::vector<float>& staging) {
+  const float* data = reinterpret_cast<const float*>(src);
+  if (type != ElemType::kF32) {
+    staging.resize(static_cast<size_t>(count));
+    load_to_f32(staging.data(), src, type, count);
+    data = staging.data();
+  }
+  rt_.accumulate(unit, version, rank_, data, count, offset);
+}
+
+void SelfPeer::gather_device(int unit, int64_t version, float* out, CUstream_st* stream) {
+  core_.dev->gather_own(unit, version, out, stream);
+}
+
+void SelfPeer::push_device(int unit, int64_t version, const float* grad, CUstream_st* stream) {
+  core_.dev->push_own(unit, version, grad, stream);
+}
+
+ShmPeer::ShmPeer(const Core& core, int rank, Mapping seg)
+    : MappedPeer(core, rank, seg.seg), mapping_(std::move(seg)), pid_(seg_->pid) {}
+
+void ShmPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+                   std::vector<float>&) {
+  const size_t esize = elem_size(type);
+  float* data = seg_->slot_data(core_.rank);
+  const std::string what = "waiting for its receive slot at " + name() + " (pushing unit " + std::to_string(unit) +
+                           " version " + std::to_string(version) + ")";
+  // In slot-sized chunks (at least one message, so an empty piece still reaches its owner).
+  int64_t sent = 0;
+  do {
+    const int64_t chunk = std::min(core_.layout.slot_elems, count - sent);
+    core_.wait_slot_free(seg_, core_.rank, this, what);
+    load_to_f32(data, src + sent * esize, type, chunk);
+    seg_->raise_slot(core_.rank, unit, version, chunk, kSlotHost, offset + sent);
+    sent += chunk;
+  } while (sent < count);
+}
+
+void ShmPeer::check_alive(const std::string& what) const {
+  if (seg_->closing.load(std::memory_order_acquire)) throw PeerError(what + ": " + name() + " shut down its ODC runtime");
+  if (!pid_alive(pid_)) throw PeerError(what + ": " + name() + " (pid " + std::to_string(pid_) + ") died");
+}
+
+}  // namespace jaxodc::odc

@@ -1,0 +1,107 @@
+// The client side of the tcp transport: every operation is a request to the owner's TCP server
+// (tcp_server.cc), one at a time per connection.
+#include "odc/peer.h"
+#include "odc/runtime.h"
+#include "transport/tcp_socket.h"
+
+namespace jaxodc::odc {
+
+namespace {
+
+WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t version = 0, int64_t count = 0,
+                   uint64_t aux = 0) {
+  WireHeader h{};
+  h.op = op;
+  h.rank = rank;
+  h.unit = unit;
+  h.version = version;
+  h.count = count;
+  h.aux = aux;
+  return h;
+}
+
+}  // namespace
+
+TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank) {
+  fd_ = tcp::connect_within(cfg.host, cfg.port, core.timeout_s, name());
+  send(request(kHello, core.rank, 0, 0, core.layout.world, core.layout.hash));
+  WireHeader r{};
+  tcp::recv_within(fd_, &r, sizeof(r), core.timeout_s, name());
+  if (r.status != 0)
+    throw Error("unit layout of " + name() + " differs from " + core.who() + " (tcp handshake refused)");
+}
+
+void TcpPeer::send(const WireHeader& h) { tcp::send_within(fd_, &h, sizeof(h), core_.timeout_s, name()); }
+
+WireHeader TcpPeer::call(const WireHeader& h, double reply_timeout_s, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  send(h);
+  return recv_reply(fd_, name(), reply_timeout_s, what);
+}
+
+Peer::Pending TcpPeer::request_piece(int unit, int64_t version) {
+  Pending held(mu_);
+  send(request(kGather, core_.rank, unit, version));
+  return held;
+}
+
+void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::vector<float>& staging) {
+  // The owner waits for the version; the reply may take up to its timeout.
+  const WireHeader r = recv_reply(fd_, name(), core_.timeout_s + 5,
+                                  "gather of unit " + std::to_string(unit) + " from " + name() + " failed");
+  int64_t lo, n;
+  core_.layout.piece(unit, rank_, &lo, &n);
+  if (r.count != n) throw PeerError("gather: " + name() + " sent a wrong shard size");
+  if (n == 0) return;
+  char* dst = unit_out + lo * elem_size(type);
+  if (type == ElemType::kF32) {
+    tcp::recv_within(fd_, dst, static_cast<size_t>(n) * 4, core_.timeout_s, name());
+  } else {
+    staging.resize(static_cast<size_t>(n));
+    tcp::recv_within(fd_, staging.data(), static_cast<size_t>(n) * 4, core_.timeout_s, name());
+    store_from_f32(dst, type, staging.data(), n);
+  }
+}
+
+void TcpPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
+                   std::vector<float>& staging) {
+  std::lock_guard<std::mutex> lock(mu_);
+  send(request(kPush, core_.rank, unit, version, count, static_cast<uint64_t>(offset)));
+  const char* data = src;
+  if (type != ElemType::kF32) {
+    staging.resize(static_cast<size_t>(count));
+    load_to_f32(staging.data(), src, type, count);
+    data = reinterpret_cast<const char*>(staging.data());
+  }
+  tcp::send_within(fd_, data, static_cast<size_t>(count) * 4, core_.timeout_s, name());
+}
+
+void TcpPeer::done(int64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  send(request(kDone, core_.rank, 0, version));
+}
+
+int64_t TcpPeer::claim(int64_t version, int64_t count, bool steal) {
+  return call(request(kClaim, core_.rank, 0, version, count, steal ? 1 : 0), core_.timeout_s,
+              "claim at " + name() + " failed for minibatch " + std::to_string(version))
+      .count;
+}
+
+double TcpPeer::scalar(int64_t seq, const std::string& what) {
+  return call(request(kScalar, core_.rank, 0, seq), core_.timeout_s + 5, what).value;
+}
+
+void TcpPeer::say_goodbye() {
+  if (fd_ < 0) return;
+  const WireHeader bye = request(kBye, core_.rank);
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    tcp::send_within(fd_, &bye, sizeof(bye), 1.0, name());
+  } catch (...) {
+    // The owner is gone already: nothing to tell it.
+  }
+}
+
+void TcpPeer::close() { tcp::close_fd(fd_); }
+
+}  // namespace jaxodc::odc

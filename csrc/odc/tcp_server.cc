@@ -1,0 +1,215 @@
+// The server side of the tcp transport: performs one-sided operations on this rank's segment for
+// peers that reach it over TCP (tcp and nvshmem transports).
+#include <poll.h>
+#include <sys/socket.h>
+
+#include "odc/core.h"
+#include "odc/runtime.h"
+#include "odc/wire.h"
+#include "transport/tcp_socket.h"
+
+namespace jaxodc::odc {
+
+WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what) {
+  WireHeader r{};
+  tcp::recv_within(fd, &r, sizeof(r), timeout_s, peer);
+  if (r.status != 0) {
+    std::string msg(static_cast<size_t>(r.count), '\0');
+    tcp::recv_within(fd, msg.data(), msg.size(), timeout_s, peer);
+    throw PeerError(what + ": " + msg);
+  }
+  return r;
+}
+
+TcpServer::TcpServer(Core& core, const std::string& host) : core_(core) {
+  try {
+    listen_fd_ = tcp::listen_on(host, 0, &port_);
+  } catch (const tcp::TcpError& e) {
+    throw Error(core.who() + ": " + e.what());
+  }
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+void TcpServer::accept_loop() {
+  while (!core_.stop.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    tcp::tune_socket(fd);
+    std::lock_guard<std::mutex> lock(mu_);
+    fds_.push_back(fd);
+    threads_.emplace_back([this, fd] { serve(fd); });
+  }
+}
+
+void TcpServer::stop() {
+  if (acceptor_.joinable()) acceptor_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  for (int& fd : fds_) tcp::close_fd(fd);
+  tcp::close_fd(listen_fd_);
+}
+
+namespace {
+
+// One client connection's replies; `client` is -1 until its hello.
+struct Replier {
+  int fd;
+  double timeout_s;
+  int client = -1;
+
+  std::string peer() const { return "rank " + std::to_string(client); }
+  void send(const WireHeader& r, const void* data = nullptr, size_t bytes = 0) const {
+    tcp::send_within(fd, &r, sizeof(r), timeout_s, peer());
+    if (bytes) tcp::send_within(fd, data, bytes, timeout_s, peer());
+  }
+  void error(const std::string& msg) const {
+    WireHeader r{};
+    r.status = 1;
+    r.count = static_cast<int64_t>(msg.size());
+    send(r, msg.data(), msg.size());
+  }
+  // Runs a wait for the client: an Error it throws is the client's error reply (false).
+  template <class Wait>
+  bool waited(Wait&& wait) const {
+    try {
+      wait();
+    } catch (const Error& e) {
+      error(e.what());
+      return false;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
+void TcpServer::serve(int fd) {
+  Replier out{fd, core_.timeout_s};
+  int& client = out.client;
+  SegmentHeader* seg = core_.seg;
+  const Layout& layout = core_.layout;
+  bool said_bye = false;
+  try {
+    while (!core_.stop.load()) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      WireHeader h{};
+      tcp::recv_within(fd, &h, sizeof(h), core_.timeout_s, out.peer());
+      if (h.op == kHello) {
+        client = h.rank;
+        WireHeader r{};
+        const bool ok = client >= 0 && client < layout.world && h.aux == layout.hash && h.count == layout.world;
+        r.status = ok ? 0 : 1;
+        out.send(r);
+        if (!ok) break;
+        continue;
+      }
+      if (client < 0) break;  // every connection starts with a hello
+      const bool known_unit = h.unit >= 0 && h.unit < layout.num_units();
+      const std::string for_client = " for rank " + std::to_string(client);
+      switch (h.op) {
+        case kGather:
+        case kNvWaitPublished: {
+          if (!known_unit) {
+            out.error(core_.who() + " has no unit " + std::to_string(h.unit));
+            break;
+          }
+          const char* via = h.op == kGather ? "" : " (gather over nvshmem)";
+          if (!out.waited([&] {
+                core_.wait_published(seg, h.unit, h.version, nullptr,
+                                     "publishing unit " + std::to_string(h.unit) + " version " +
+                                         std::to_string(h.version) + for_client + via);
+              }))
+            break;
+          WireHeader r{};
+          r.version = seg->unit(h.unit)->version.load();
+          if (h.op == kNvWaitPublished) {  // the data travels through NVSHMEM
+            out.send(r);
+            break;
+          }
+          int64_t lo, n;
+          layout.piece(h.unit, core_.rank, &lo, &n);
+          r.count = n;
+          out.send(r, seg->master(h.unit), static_cast<size_t>(n) * 4);
+          break;
+        }
+        case kPush: {
+          const int64_t offset = static_cast<int64_t>(h.aux);
+          if (!known_unit || h.count < 0 || offset < 0 || offset + h.count > layout.shards[h.unit])
+            throw PeerError("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
+                            " elements at " + std::to_string(offset) + ")");
+          int64_t got = 0;
+          do {  // in slot-sized chunks
+            const int64_t chunk = std::min(layout.slot_elems, h.count - got);
+            core_.wait_slot_free(seg, client, nullptr, "draining the receive slot of " + out.peer());
+            // A chunk is marked full only after every byte arrived: a client that dies mid-chunk
+            // leaves the accumulator without it.
+            tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_.timeout_s,
+                             out.peer());
+            seg->raise_slot(client, h.unit, h.version, chunk, kSlotHost, offset + got);
+            got += chunk;
+          } while (got < h.count);
+          break;
+        }
+        case kDone:
+          seg->done(client)->store(h.version, std::memory_order_release);
+          signal_event(&seg->doorbell);
+          break;
+        case kScalar: {
+          if (!out.waited([&] {
+                core_.wait_scalar(seg, h.version, nullptr,
+                                  "posting scalar call " + std::to_string(h.version) + for_client);
+              }))
+            break;
+          WireHeader r{};
+          r.value = seg->scalar(h.version)->value;
+          out.send(r);
+          break;
+        }
+        case kClaim: {
+          WireHeader r{};
+          if (out.waited([&] { r.count = claim_microbatch(seg, h.version, h.count, h.aux != 0, core_.rank); }))
+            out.send(r);
+          break;
+        }
+        case kNvWaitSlot:
+          if (out.waited([&] {
+                core_.wait_slot_free(seg, client, nullptr,
+                                     "draining the receive slot of " + out.peer() + " (push over nvshmem)");
+              }))
+            out.send(WireHeader{});
+          break;
+        case kNvCommit: {
+          // The client put its data into my NVSHMEM block and completed it (quiet) before this.
+          if (!known_unit || h.count < 0 || h.count > layout.shards[h.unit])
+            throw PeerError("malformed nvshmem push (unit " + std::to_string(h.unit) + ", " +
+                            std::to_string(h.count) + " elements)");
+          if (!core_.dev || !core_.dev->nvshmem_active())
+            throw PeerError("an nvshmem push, but " + core_.who() + " has no NVSHMEM block");
+          if (seg->slot(client)->state.load(std::memory_order_acquire) != kSlotFree)
+            throw PeerError("an nvshmem push into a receive slot that was not free");
+          seg->raise_slot(client, h.unit, h.version, h.count, kSlotNvshmem);
+          break;
+        }
+        case kBye:
+          said_bye = true;
+          break;
+        default:
+          throw PeerError("unknown request " + std::to_string(h.op));
+      }
+      if (said_bye) break;
+    }
+  } catch (const std::exception& e) {
+    if (client >= 0 && !core_.stop.load())
+      core_.record_client_failure(client, "connection from " + out.peer() + " failed: " + e.what());
+  }
+  if (client >= 0 && !said_bye && !core_.stop.load()) {
+    core_.record_client_failure(client, out.peer() + " closed its connection without saying goodbye");
+    signal_event(&seg->doorbell);
+  }
+}
+
+}  // namespace jaxodc::odc

@@ -1,0 +1,63 @@
+// Internal to csrc/odc: the wire format of the tcp transport and the server that answers it.
+// Every request is one WireHeader (plus data for a push); replies are one WireHeader (plus a
+// shard for a gather), or an error reply: status 1 and a message of `count` bytes.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace jaxodc::odc {
+
+struct Core;
+
+// kNv*: the control half of the nvshmem transport (the data moves through NVSHMEM): wait for a
+// publication (reply), wait for the client's slot to be free (reply), mark it full (no reply).
+enum Op : uint32_t {
+  kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kClaim = 6, kBye = 7,
+  kNvWaitPublished = 8, kNvWaitSlot = 9, kNvCommit = 10
+};
+
+struct WireHeader {
+  uint32_t op;
+  int32_t rank;
+  int32_t unit;
+  int32_t status;  // replies: 0 ok, 1 error (message of `count` bytes follows)
+  int64_t version;
+  int64_t count;
+  uint64_t aux;  // push: offset in the owner's shard; claim: steal; hello: layout hash
+  double value;
+};
+
+// Receives a reply; an error reply is thrown as PeerError(what: message).
+WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what);
+
+// This rank's TCP server: one thread per client connection performs the client's one-sided
+// operations on my segment (its waits bounded by the runtime's timeout). A connection that ends
+// without a goodbye is recorded as that client's failure (Core::record_client_failure).
+class TcpServer {
+ public:
+  TcpServer(Core& core, const std::string& host);  // listens on an ephemeral port
+  ~TcpServer() { stop(); }
+  TcpServer(const TcpServer&) = delete;
+  TcpServer& operator=(const TcpServer&) = delete;
+  int port() const { return port_; }
+  // Joins every thread and closes every socket; the runtime's stop flag must be set.
+  void stop();
+
+ private:
+  void accept_loop();
+  void serve(int fd);
+
+  Core& core_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::vector<std::thread> threads_;
+  std::vector<int> fds_;
+};
+
+}  // namespace jaxodc::odc

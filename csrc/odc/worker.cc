@@ -1,0 +1,148 @@
+// The worker side of the runtime: gather and scatter-accumulate over every owner (each through its
+// transport, peer.h), the done markers, LB-Steal claims and the scalar all-gather.
+#include <utility>
+
+#include "odc/core.h"
+#include "odc/peer.h"
+#include "odc/runtime.h"
+
+namespace jaxodc::odc {
+
+std::vector<Peer*> Runtime::owners(int first, Route route) const {
+  std::vector<Peer*> out;
+  for (int i = 0; i < world(); ++i) {
+    Peer* p = peers_[(first + i) % world()].get();
+    if (route == Route::kHostOwners && p->device_reachable()) continue;
+    out.push_back(p);
+  }
+  return out;
+}
+
+bool Runtime::device_owner(int owner) const { return peers_[owner] && peers_[owner]->device_reachable(); }
+
+bool Runtime::has_host_owners() const {
+  for (int d = 0; d < world(); ++d)
+    if (!device_owner(d)) return true;
+  return false;
+}
+
+void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel, Route route) {
+  check_open("gather");
+  check_unit(unit, "gather");
+  const int64_t numel = core_->layout.numels[unit];
+  if (out_numel != numel)
+    throw Error("gather: unit " + std::to_string(unit) + " has " + std::to_string(numel) + " elements, output holds " +
+                std::to_string(out_numel));
+  char* dst = static_cast<char*>(out);
+  std::vector<float> staging;
+  // Requests to remote owners first; the local pieces are copied while they travel.
+  std::vector<Peer*> local;
+  std::vector<std::pair<Peer*, Peer::Pending>> remote;  // releases the connections on any exit
+  for (Peer* p : owners(rank(), route)) {
+    Peer::Pending pending = p->request_piece(unit, version);
+    if (pending.owns_lock()) remote.emplace_back(p, std::move(pending));
+    else local.push_back(p);
+  }
+  for (Peer* p : local) p->read_piece(unit, version, dst, type, staging);
+  for (auto& [p, pending] : remote) {
+    p->read_piece(unit, version, dst, type, staging);
+    pending.unlock();
+  }
+}
+
+void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type, int64_t grad_numel,
+                                 Route route) {
+  check_open("scatter_accumulate");
+  check_unit(unit, "scatter_accumulate");
+  const int64_t numel = core_->layout.numels[unit];
+  if (grad_numel != numel)
+    throw Error("scatter_accumulate: unit " + std::to_string(unit) + " has " + std::to_string(numel) +
+                " elements, gradient holds " + std::to_string(grad_numel));
+  const char* src = static_cast<const char*>(grad);
+  const size_t esize = elem_size(type);
+  std::vector<float> staging;
+  // Start with the next owner so that ranks do not all queue at owner 0 at once.
+  for (Peer* p : owners(rank() + 1, route)) {
+    int64_t lo, n;
+    piece(unit, p->rank(), &lo, &n);
+    p->push(unit, version, 0, src + lo * esize, type, n, staging);
+  }
+}
+
+void Runtime::scatter_accumulate_range(int unit, int64_t version, int64_t offset, const void* grad, ElemType type,
+                                       int64_t n) {
+  check_open("scatter_accumulate");
+  check_unit(unit, "scatter_accumulate");
+  const int64_t numel = core_->layout.numels[unit];
+  if (offset < 0 || n < 0 || offset + n > numel)
+    throw Error("scatter_accumulate: " + core_->who() + ": elements [" + std::to_string(offset) + ", " +
+                std::to_string(offset + n) + ") are outside unit " + std::to_string(unit) + " of " +
+                std::to_string(numel) + " elements");
+  const char* src = static_cast<const char*>(grad);
+  const size_t esize = elem_size(type);
+  std::vector<float> staging;
+  for (Peer* p : owners(rank() + 1, Route::kAll)) {
+    int64_t lo, len;
+    piece(unit, p->rank(), &lo, &len);
+    const int64_t a = std::max(lo, offset), b = std::min(lo + len, offset + n);
+    if (a >= b) continue;  // this owner holds none of the range
+    p->push(unit, version, a - lo, src + (a - offset) * esize, type, b - a, staging);
+  }
+}
+
+void Runtime::gather_device(int unit, int64_t version, float* out, CUstream_st* stream) {
+  check_open("gather");
+  check_unit(unit, "gather");
+  const std::string tag = "odc.gather over device memory: " + core_->who() + " unit " + std::to_string(unit) +
+                          " version " + std::to_string(version);
+  if (!core_->dev) throw Error(tag + ": this rank has no device");
+  for (Peer* p : owners(rank(), Route::kAll))
+    if (p->device_reachable()) p->gather_device(unit, version, out, stream);
+  core_->dev->track_gather(stream, tag);
+}
+
+void Runtime::scatter_device(int unit, int64_t version, const float* grad, CUstream_st* stream) {
+  check_open("scatter_accumulate");
+  check_unit(unit, "scatter_accumulate");
+  if (!core_->dev)
+    throw Error("odc.scatter_accumulate over device memory: " + core_->who() + " unit " + std::to_string(unit) +
+                ": this rank has no device");
+  // Start with the next owner so that ranks do not all queue at owner 0 at once.
+  for (Peer* p : owners(rank() + 1, Route::kAll))
+    if (p->device_reachable()) p->push_device(unit, version, grad, stream);
+}
+
+void Runtime::done(int64_t version) {
+  check_open("done");
+  // Owners may overwrite their device masters once every done(version) arrived: the device
+  // copies this rank enqueued from them must have finished first.
+  if (core_->dev) core_->dev->wait_gathers("done: " + core_->who());
+  for (auto& p : peers_) p->done(version);
+}
+
+int64_t Runtime::claim(int64_t version, int owner, int64_t count, bool steal) {
+  check_open("claim");
+  if (owner < 0 || owner >= world())
+    throw Error("claim: owner rank " + std::to_string(owner) + " outside world size " + std::to_string(world()));
+  return peers_[owner]->claim(version, count, steal);
+}
+
+std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
+  check_open("allgather_scalar");
+  // Entries are tagged by a per-runtime call sequence (every rank makes the same calls in the same
+  // order), so several scalars per minibatch never overwrite each other. A rank can run at most
+  // one call ahead of the slowest, so a ring of kRing entries is never overrun.
+  const int64_t seq = scalar_calls_++;
+  SegmentHeader* seg = core_->seg;
+  ScalarEntry* mine = seg->scalar(seq);
+  mine->value = value;
+  mine->version.store(seq, std::memory_order_release);
+  signal_event(&seg->scalar_seq);
+  std::vector<double> out(world(), 0.0);
+  for (int d = 0; d < world(); ++d)
+    out[d] = peers_[d]->scalar(seq, "waiting for the scalar of rank " + std::to_string(d) + " (call " +
+                                        std::to_string(seq) + ", minibatch " + std::to_string(version) + ")");
+  return out;
+}
+
+}  // namespace jaxodc::odc
