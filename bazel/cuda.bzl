@@ -19,7 +19,7 @@ def cuda_objects(name, srcs, hdrs, extra_flags = []):
     if not WITH_CUDA or not srcs:
         return []
     flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-DJAXODC_WITH_CUDA=1", "-Icsrc",
-             "-I" + FFI_INCLUDE, "-I" + CUDA_INCLUDE] + extra_flags + _gencode()
+             "-isystem", FFI_INCLUDE, "-I" + CUDA_INCLUDE] + extra_flags + _gencode()
     objs = []
     for src in srcs:
         out = "_cuda_objs/" + src[:-len(".cu")] + ".pic.o"

@@ -95,11 +95,18 @@ void for_each_run(const int32_t* seg, int64_t T, Fn&& fn) {
   }
 }
 
-template <typename Body>
-ffi::Error guarded(const char* op, Body&& body) {
+// Runs fn(scratch, at, lse_at, n, pad) for every run of every (batch row, head), denormals
+// flushed: `at` indexes the run's first token in [B, T, H, Dh] arrays, `lse_at` in [B, H, T] ones;
+// n is the run's length, pad whether it is a padding token.
+template <typename Fn>
+ffi::Error for_each_head_run(const char* op, const Geometry& g, const int32_t* seg, Fn&& fn) {
   FlushDenormals ftz;
   try {
-    body();
+    Scratch w;
+    for (int64_t b = 0; b < g.B; ++b)
+      for_each_run(seg + b * g.T, g.T, [&](int64_t s0, int64_t n, bool pad) {
+        for (int64_t h = 0; h < g.H; ++h) fn(w, ((b * g.T + s0) * g.H + h) * g.Dh, (b * g.H + h) * g.T + s0, n, pad);
+      });
   } catch (const std::bad_alloc&) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(op) + ": out of memory for scratch tiles");
   }
@@ -122,24 +129,16 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
   float* op_ = static_cast<float*>(o->untyped_data());
   float* lp = static_cast<float*>(lse->untyped_data());
   const std::ptrdiff_t ts = g.H * g.Dh;
-  return guarded(op, [&] {
-    Scratch w;
-    for (int64_t b = 0; b < g.B; ++b)
-      for_each_run(sp + b * g.T, g.T, [&](int64_t s0, int64_t n, bool pad) {
-        for (int64_t h = 0; h < g.H; ++h) {
-          const std::ptrdiff_t at = ((b * g.T + s0) * g.H + h) * g.Dh;
-          float* l = lp + (b * g.H + h) * g.T + s0;
-          if (pad || n == 1) {  // attends only to itself: o = v, lse = its one scaled score
-            float s = 0.f;
-            for (int64_t d = 0; d < g.Dh; ++d) s += qp[at + d] * kp[at + d];
-            std::memcpy(op_ + at, vp + at, sizeof(float) * g.Dh);
-            *l = s * g.scale;
-          } else {
-            impl->fwd(qp + at, kp + at, vp + at, op_ + at, l, ts, static_cast<int>(n), static_cast<int>(g.Dh),
-                      g.scale, w);
-          }
-        }
-      });
+  return for_each_head_run(op, g, sp, [&](Scratch& w, std::ptrdiff_t at, std::ptrdiff_t lse_at, int64_t n, bool pad) {
+    float* l = lp + lse_at;
+    if (pad || n == 1) {  // attends only to itself: o = v, lse = its one scaled score
+      float s = 0.f;
+      for (int64_t d = 0; d < g.Dh; ++d) s += qp[at + d] * kp[at + d];
+      std::memcpy(op_ + at, vp + at, sizeof(float) * g.Dh);
+      *l = s * g.scale;
+    } else {
+      impl->fwd(qp + at, kp + at, vp + at, op_ + at, l, ts, static_cast<int>(n), static_cast<int>(g.Dh), g.scale, w);
+    }
   });
 }
 
@@ -168,22 +167,15 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   float* dkp = static_cast<float*>(dk->untyped_data());
   float* dvp = static_cast<float*>(dv->untyped_data());
   const std::ptrdiff_t ts = g.H * g.Dh;
-  return guarded(op, [&] {
-    Scratch w;
-    for (int64_t b = 0; b < g.B; ++b)
-      for_each_run(sp + b * g.T, g.T, [&](int64_t s0, int64_t n, bool pad) {
-        for (int64_t h = 0; h < g.H; ++h) {
-          const std::ptrdiff_t at = ((b * g.T + s0) * g.H + h) * g.Dh;
-          if (pad || n == 1) {  // o = v: dv = do, and dS = P (do.v - do.o) = 0 gives dq = dk = 0
-            std::memcpy(dvp + at, dop + at, sizeof(float) * g.Dh);
-            std::memset(dqp + at, 0, sizeof(float) * g.Dh);
-            std::memset(dkp + at, 0, sizeof(float) * g.Dh);
-            continue;
-          }
-          impl->bwd(qp + at, kp + at, vp + at, opp + at, dop + at, lp + (b * g.H + h) * g.T + s0, dqp + at, dkp + at,
-                    dvp + at, ts, static_cast<int>(n), static_cast<int>(g.Dh), g.scale, w);
-        }
-      });
+  return for_each_head_run(op, g, sp, [&](Scratch& w, std::ptrdiff_t at, std::ptrdiff_t lse_at, int64_t n, bool pad) {
+    if (pad || n == 1) {  // o = v: dv = do, and dS = P (do.v - do.o) = 0 gives dq = dk = 0
+      std::memcpy(dvp + at, dop + at, sizeof(float) * g.Dh);
+      std::memset(dqp + at, 0, sizeof(float) * g.Dh);
+      std::memset(dkp + at, 0, sizeof(float) * g.Dh);
+      return;
+    }
+    impl->bwd(qp + at, kp + at, vp + at, opp + at, dop + at, lp + lse_at, dqp + at, dkp + at, dvp + at, ts,
+              static_cast<int>(n), static_cast<int>(g.Dh), g.scale, w);
   });
 }
 

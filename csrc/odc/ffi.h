@@ -95,4 +95,24 @@ inline ffi::Error check_call(const char* op, int64_t runtime, int64_t unit, ffi:
   return ffi::Error::Success();
 }
 
+// check_call for a gather into `out` (the whole unit).
+inline ffi::Error check_gather(int64_t runtime, int64_t unit, const ffi::AnyBuffer& local_shard,
+                               const ffi::Result<ffi::AnyBuffer>& out, Runtime** rt, ElemType* type) {
+  return check_call("odc.gather", runtime, unit, local_shard.element_type(), local_shard.element_count(),
+                    out->element_type(), static_cast<int64_t>(out->element_count()), rt, type);
+}
+
+// check_call for a scatter, plus its token. A whole-unit push's gradient must hold the unit; a
+// range push's range is checked by the runtime.
+inline ffi::Error check_scatter(int64_t runtime, int64_t unit, const ffi::AnyBuffer& local_shard,
+                                const ffi::AnyBuffer& grad, const ffi::AnyBuffer& token, Runtime** rt, ElemType* type,
+                                bool range = false) {
+  const char* op = range ? "odc.scatter_accumulate_range" : "odc.scatter_accumulate";
+  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
+                            grad.element_type(), range ? -1 : static_cast<int64_t>(grad.element_count()), rt, type);
+      err.failure())
+    return err;
+  return check_token(token, op);
+}
+
 }  // namespace jaxodc::odc

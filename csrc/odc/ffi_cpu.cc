@@ -10,10 +10,7 @@ ffi::Error GatherCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> versi
                          int64_t runtime, int64_t unit) {
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.gather", runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            out->element_type(), out->element_count(), &rt, &type);
-      err.failure())
-    return err;
+  if (auto err = check_gather(runtime, unit, local_shard, out, &rt, &type); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
   return run_guarded([&] {
     rt->gather(static_cast<int>(unit), v, out->untyped_data(), type, static_cast<int64_t>(out->element_count()));
@@ -29,14 +26,9 @@ ffi::Error GatherIntoCpuImpl(ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer loca
 // Pushes each owner's slice of `grad` into its accumulator.
 ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
                           ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime, int64_t unit) {
-  const char* op = "odc.scatter_accumulate";
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            grad.element_type(), grad.element_count(), &rt, &type);
-      err.failure())
-    return err;
-  if (auto err = check_token(token, op); err.failure()) return err;
+  if (auto err = check_scatter(runtime, unit, local_shard, grad, token, &rt, &type); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
   advance_token(token, token_out);
   return run_guarded([&] {
@@ -50,15 +42,10 @@ ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::
 ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
                                ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime,
                                int64_t unit, int64_t offset) {
-  const char* op = "odc.scatter_accumulate_range";
   Runtime* rt;
   ElemType type;
-  // check_call validates the shard and dtype against the whole unit; the range is checked by the runtime.
-  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            grad.element_type(), -1, &rt, &type);
-      err.failure())
+  if (auto err = check_scatter(runtime, unit, local_shard, grad, token, &rt, &type, /*range=*/true); err.failure())
     return err;
-  if (auto err = check_token(token, op); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
   advance_token(token, token_out);
   return run_guarded([&] {

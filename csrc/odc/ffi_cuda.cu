@@ -155,10 +155,7 @@ ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::
                           ffi::Result<ffi::AnyBuffer> out, int64_t runtime, int64_t unit) {
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.gather", runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            out->element_type(), out->element_count(), &rt, &type);
-      err.failure())
-    return err;
+  if (auto err = check_gather(runtime, unit, local_shard, out, &rt, &type); err.failure()) return err;
   return run_guarded([&] {
     const int64_t n = static_cast<int64_t>(out->element_count());
     const int64_t v = read_version(version.typed_data(), stream);
@@ -194,14 +191,9 @@ ffi::Error GatherIntoCudaImpl(cudaStream_t stream, ffi::AnyBuffer /*aliased_out*
 ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::AnyBuffer grad,
                            ffi::Buffer<ffi::S32> version, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
                            int64_t runtime, int64_t unit) {
-  const char* op = "odc.scatter_accumulate";
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call(op, runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            grad.element_type(), grad.element_count(), &rt, &type);
-      err.failure())
-    return err;
-  if (auto err = check_token(token, op); err.failure()) return err;
+  if (auto err = check_scatter(runtime, unit, local_shard, grad, token, &rt, &type); err.failure()) return err;
   return run_guarded([&] {
     const int64_t n = static_cast<int64_t>(grad.element_count());
     check(advance_token(stream, token, token_out), "token");

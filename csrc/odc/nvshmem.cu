@@ -31,16 +31,6 @@ namespace {
 // NVSHMEM is one job per process: the device block that joined it, until its collective teardown.
 std::atomic<const Device*> g_nv_owner{nullptr};
 
-WireHeader control(uint32_t op, int rank, int unit, int64_t version, int64_t count = 0) {
-  WireHeader h{};
-  h.op = op;
-  h.rank = rank;
-  h.unit = unit;
-  h.version = version;
-  h.count = count;
-  return h;
-}
-
 // A peer in this rank's NVSHMEM job: host operations as a TcpPeer, device data through NVSHMEM.
 // A failed control request marks NVSHMEM broken, so that close skips its collective teardown
 // (which would wait for the peer forever).
@@ -56,7 +46,7 @@ class NvshmemPeer final : public TcpPeer {
   // A control request with its reply (the owner waits up to its timeout before replying).
   void wait_at_owner(uint32_t op, int unit, int64_t version, const std::string& what) {
     try {
-      call(control(op, core_.rank, unit, version), core_.timeout_s + 5, what);
+      call(request(op, core_.rank, unit, version), core_.timeout_s + 5, what);
     } catch (...) {
       dev_.nvshmem_broken();
       throw;
@@ -96,7 +86,7 @@ void NvshmemPeer::push_device(int unit, int64_t version, const float* grad, CUst
   }
   try {
     std::lock_guard<std::mutex> lock(mu_);
-    send(control(kNvCommit, core_.rank, unit, version, n));
+    send(request(kNvCommit, core_.rank, unit, version, n));
   } catch (const std::exception& e) {
     dev_.nvshmem_broken();
     throw PeerError("scatter_accumulate over nvshmem: " + at + ": raising its slot: " + e.what());

@@ -117,12 +117,8 @@ void Runtime::wait_complete(int64_t version) {
 }
 
 void Runtime::fetch_grad(int unit, float* out, int64_t out_numel) {
-  check_open("fetch_grad");
-  check_unit(unit, "fetch_grad");
   const int64_t shard = core_->layout.shards[unit];
-  if (out_numel != shard)
-    throw Error("fetch_grad: unit " + std::to_string(unit) + " shard holds " + std::to_string(shard) +
-                " elements, output " + std::to_string(out_numel));
+  check_buffer("fetch_grad", unit, shard, "output", out_numel);
   std::memcpy(out, grad_in_place(unit), static_cast<size_t>(shard) * 4);
   clear_grad(unit);
 }
@@ -156,12 +152,7 @@ float* Runtime::master_data(int unit) {
 }
 
 void Runtime::publish(int unit, const float* shard, int64_t shard_numel, int64_t version) {
-  check_open("publish");
-  check_unit(unit, "publish");
-  const int64_t expected = core_->layout.shards[unit];
-  if (shard_numel != expected)
-    throw Error("publish: unit " + std::to_string(unit) + " shard holds " + std::to_string(expected) +
-                " elements on " + core_->who() + ", got " + std::to_string(shard_numel));
+  check_buffer("publish", unit, core_->layout.shards[unit], "shard", shard_numel);
   check_publish(unit, version);
   std::memcpy(core_->seg->master(unit), shard, static_cast<size_t>(shard_numel) * 4);
   announce(unit, version);

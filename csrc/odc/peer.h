@@ -1,5 +1,5 @@
 // Internal to csrc/odc: one owner as this rank's worker reaches it, one class per transport.
-//   SelfPeer     this rank: its own segment; its own slice of a push is added locally
+//   SelfPeer     this rank: its own segment; its own slice of a push is added locally (shm.cc)
 //   ShmPeer      a same-host peer whose segment is mapped here (shm.cc); CudaIpcPeer adds its
 //                device block mapped with CUDA IPC (cuda_ipc.cu)
 //   TcpPeer      requests to the owner's TCP server (tcp_peer.cc); NvshmemPeer moves the device
@@ -51,8 +51,12 @@ class Peer {
   // The CUDA handlers' path (Runtime::gather_device / scatter_device): whether this owner is
   // reached in device memory, and its piece of a gather / push of fp32 device arrays.
   virtual bool device_reachable() const { return false; }
-  virtual void gather_device(int unit, int64_t version, float* out, CUstream_st* stream);
-  virtual void push_device(int unit, int64_t version, const float* grad, CUstream_st* stream);
+  virtual void gather_device(int /*unit*/, int64_t /*version*/, float* /*out*/, CUstream_st* /*stream*/) {
+    throw Error(core_.who() + ": " + name() + " is not reached through device memory");
+  }
+  virtual void push_device(int /*unit*/, int64_t /*version*/, const float* /*grad*/, CUstream_st* /*stream*/) {
+    throw Error(core_.who() + ": " + name() + " is not reached through device memory");
+  }
 
   // Shutdown, in this order: say_goodbye (the owner then knows the closed connection is no
   // failure); link_failed, once my server stopped, for a peer whose connection to me died;

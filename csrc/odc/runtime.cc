@@ -116,6 +116,14 @@ void Runtime::check_open(const char* op) const {
   if (closed_) throw Error(std::string(op) + ": the ODC runtime of " + core_->who() + " is closed");
 }
 
+void Runtime::check_buffer(const char* op, int unit, int64_t expected, const char* buffer, int64_t got) const {
+  check_open(op);
+  check_unit(unit, op);
+  if (got != expected)
+    throw Error(std::string(op) + ": " + core_->who() + " unit " + std::to_string(unit) + " needs " +
+                std::to_string(expected) + " elements, the " + buffer + " holds " + std::to_string(got));
+}
+
 void Runtime::enable_device(int ordinal) {
   check_open("enable_device");
   const std::string who = core_->who() + ": enable_device(" + std::to_string(ordinal) + ")";

@@ -174,6 +174,8 @@ class Runtime {
 
   void check_unit(int unit, const char* op) const;
   void check_open(const char* op) const;
+  // check_open + check_unit + a caller's buffer of `got` elements where `expected` are needed.
+  void check_buffer(const char* op, int unit, int64_t expected, const char* buffer, int64_t got) const;
   void check_publish(int unit, int64_t version) const;
   // The owners a worker operation visits, starting at `first` and going round the ring.
   std::vector<Peer*> owners(int first, Route route) const;

@@ -5,14 +5,6 @@
 
 namespace jaxodc::odc {
 
-void Peer::gather_device(int, int64_t, float*, CUstream_st*) {
-  throw Error(core_.who() + ": " + name() + " is not reached through device memory");
-}
-
-void Peer::push_device(int, int64_t, const float*, CUstream_st*) {
-  throw Error(core_.who() + ": " + name() + " is not reached through device memory");
-}
-
 void MappedPeer::read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>&) {
   core_.wait_published(seg_, unit, version, this,
                        "waiting for " + name() + " to publish unit " + std::to_string(unit) + " version " +

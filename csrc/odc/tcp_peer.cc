@@ -6,22 +6,6 @@
 
 namespace jaxodc::odc {
 
-namespace {
-
-WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t version = 0, int64_t count = 0,
-                   uint64_t aux = 0) {
-  WireHeader h{};
-  h.op = op;
-  h.rank = rank;
-  h.unit = unit;
-  h.version = version;
-  h.count = count;
-  h.aux = aux;
-  return h;
-}
-
-}  // namespace
-
 TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank) {
   fd_ = tcp::connect_within(cfg.host, cfg.port, core.timeout_s, name());
   send(request(kHello, core.rank, 0, 0, core.layout.world, core.layout.hash));

@@ -31,6 +31,18 @@ struct WireHeader {
   double value;
 };
 
+inline WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t version = 0, int64_t count = 0,
+                          uint64_t aux = 0) {
+  WireHeader h{};
+  h.op = op;
+  h.rank = rank;
+  h.unit = unit;
+  h.version = version;
+  h.count = count;
+  h.aux = aux;
+  return h;
+}
+
 // Receives a reply; an error reply is thrown as PeerError(what: message).
 WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what);
 

@@ -27,12 +27,7 @@ bool Runtime::has_host_owners() const {
 }
 
 void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel, Route route) {
-  check_open("gather");
-  check_unit(unit, "gather");
-  const int64_t numel = core_->layout.numels[unit];
-  if (out_numel != numel)
-    throw Error("gather: unit " + std::to_string(unit) + " has " + std::to_string(numel) + " elements, output holds " +
-                std::to_string(out_numel));
+  check_buffer("gather", unit, core_->layout.numels[unit], "output", out_numel);
   char* dst = static_cast<char*>(out);
   std::vector<float> staging;
   // Requests to remote owners first; the local pieces are copied while they travel.
@@ -52,12 +47,7 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
 
 void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type, int64_t grad_numel,
                                  Route route) {
-  check_open("scatter_accumulate");
-  check_unit(unit, "scatter_accumulate");
-  const int64_t numel = core_->layout.numels[unit];
-  if (grad_numel != numel)
-    throw Error("scatter_accumulate: unit " + std::to_string(unit) + " has " + std::to_string(numel) +
-                " elements, gradient holds " + std::to_string(grad_numel));
+  check_buffer("scatter_accumulate", unit, core_->layout.numels[unit], "gradient", grad_numel);
   const char* src = static_cast<const char*>(grad);
   const size_t esize = elem_size(type);
   std::vector<float> staging;

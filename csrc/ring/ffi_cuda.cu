@@ -23,32 +23,21 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("ring all_reduce (CUDA): ") + what + ": " + cudaGetErrorString(e));
 }
 
-struct Pinned {
-  char* p = nullptr;
-  size_t n = 0;
-  ~Pinned() { if (p) cudaFreeHost(p); }
-  char* get(size_t want) {
-    if (want > n) {
-      if (p) cudaFreeHost(p);
-      p = nullptr;
-      n = 0;
-      check(cudaHostAlloc(reinterpret_cast<void**>(&p), want, cudaHostAllocDefault), "cudaHostAlloc");
-      n = want;
-    }
-    return p;
-  }
-};
+cudaError_t alloc_pinned(void** p, size_t n) { return cudaHostAlloc(p, n, cudaHostAllocDefault); }
+cudaError_t alloc_device(void** p, size_t n) { return cudaMalloc(p, n); }
 
-struct DeviceBuf {
+// A buffer that only grows, kept across calls: pinned host memory or device memory.
+template <cudaError_t (*Alloc)(void**, size_t), cudaError_t (*Free)(void*)>
+struct GrowingBuffer {
   char* p = nullptr;
   size_t n = 0;
-  ~DeviceBuf() { if (p) cudaFree(p); }
+  ~GrowingBuffer() { if (p) Free(p); }
   char* get(size_t want) {
     if (want > n) {
-      if (p) cudaFree(p);
+      if (p) Free(p);
       p = nullptr;
       n = 0;
-      check(cudaMalloc(reinterpret_cast<void**>(&p), want), "cudaMalloc");
+      check(Alloc(reinterpret_cast<void**>(&p), want), Alloc == alloc_pinned ? "cudaHostAlloc" : "cudaMalloc");
       n = want;
     }
     return p;
@@ -130,8 +119,8 @@ __global__ void k_dequant(const Q* q, const DevMeta* meta, QMeta mv, typename Tr
 // returning, so it is free again when the thread runs the next call), copies and kernels on the
 // call's stream.
 struct CudaScratch {
-  Pinned h[4];
-  DeviceBuf d[3];
+  GrowingBuffer<alloc_pinned, cudaFreeHost> h[4];
+  GrowingBuffer<alloc_device, cudaFree> d[3];
 };
 thread_local CudaScratch t_scratch;
 
