@@ -30,10 +30,11 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
   check_buffer("gather", unit, core_->layout.numels[unit], "output", out_numel);
   char* dst = static_cast<char*>(out);
   std::vector<float> staging;
-  // Requests to remote owners first; the local pieces are copied while they travel.
+  // Requests to remote owners first; the local pieces are copied while they travel, in rank order
+  // on every rank (ranks gathering at once then read the same owner's memory together).
   std::vector<Peer*> local;
   std::vector<std::pair<Peer*, Peer::Pending>> remote;  // releases the connections on any exit
-  for (Peer* p : owners(rank(), route)) {
+  for (Peer* p : owners(0, route)) {
     Peer::Pending pending = p->request_piece(unit, version);
     if (pending.owns_lock()) remote.emplace_back(p, std::move(pending));
     else local.push_back(p);
