@@ -332,7 +332,9 @@ class Communicator:
         with self._inflight_lock:
             handles = list(self._inflight.values())
         for h in handles:
-            h._done.wait(self.timeout_s * 4)
+            if not h._done.wait(self.timeout_s * 4):
+                raise TimeoutError(f"{self._who()}: all-reduce tag {h.tag} still in flight after "
+                                   f"{self.timeout_s * 4:.0f} s; a membership or topology operation waits for it")
 
     # --- membership and topology ----------------------------------------------------------------
 
