@@ -6,6 +6,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/ffi.h"
@@ -181,28 +182,24 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenAttentionFwdCpu, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("isa"));
+// `Args` buffer operands, `Rets` buffer results, then the `isa` attribute (the handlers take
+// buffers of any dtype and check them in their Impl). Every step returns the chain's prvalue:
+// bindings cannot be copied or moved by user code.
+template <int Args, int Rets, typename Binding>
+auto bind_buffers(Binding&& b) {
+  if constexpr (Args > 0) {
+    return bind_buffers<Args - 1, Rets>(std::move(b).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (Rets > 0) {
+    return bind_buffers<0, Rets - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(b).template Attr<int64_t>("isa");
+  }
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenAttentionBwdCpu, BackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("isa"));
+// forward: q, k, v, segment ids -> out, logsumexp
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenAttentionFwdCpu, ForwardImpl, (bind_buffers<4, 2>(ffi::Ffi::Bind())));
+
+// backward: q, k, v, segment ids, out, logsumexp, d_out -> dq, dk, dv
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VarlenAttentionBwdCpu, BackwardImpl, (bind_buffers<7, 3>(ffi::Ffi::Bind())));
 
 }  // namespace jaxodc::attention

@@ -24,5 +24,6 @@ void bind_odc(nb::module_& m, nb::dict& targets);
 void bind_ring(nb::module_& m, nb::dict& targets);
 void bind_hash(nb::module_& m, nb::dict& targets);
 void bind_attention(nb::module_& m, nb::dict& targets);
+void bind_sketch(nb::module_& m, nb::dict& targets);
 
 }  // namespace jaxodc

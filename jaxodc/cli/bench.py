@@ -8,6 +8,7 @@ BENCHMARKS = {
     "primitives": "jaxodc.bench.primitives",
     "train": "jaxodc.bench.train",
     "allreduce": "jaxodc.bench.allreduce",
+    "sketch": "jaxodc.bench.sketch",
 }
 
 
