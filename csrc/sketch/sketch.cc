@@ -2,65 +2,49 @@
 #include "sketch/sketch.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <functional>
 #include <vector>
 
-#include "common/dtype.h"
 
 namespace jaxodc::sketch {
 
-namespace {
-
-// Orders elements by |value| descending, then index ascending, as one integer: the magnitude's
-// bits (non-negative floats order like their bit patterns) above the complemented index.
-inline uint64_t rank_key(float value, int64_t index) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  return (static_cast<uint64_t>(bits & 0x7fffffffu) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
+uint64_t kth_key(std::vector<uint64_t>& candidates, int64_t rank) {
+  const auto nth = candidates.begin() + rank;
+  std::nth_element(candidates.begin(), nth, candidates.end(), std::greater<uint64_t>());
+  return *nth;
 }
 
-}  // namespace
+void find_bin(const int64_t* hist, int64_t k, int64_t* bin, int64_t* above) {
+  *above = 0;
+  *bin = kHistBins - 1;
+  while (*above + hist[*bin] < k) *above += hist[(*bin)--];
+}
 
 int64_t sparsify(const void* grad, bool grad_bf16, const float* residual, int64_t n, double fraction, float* kept,
                  float* residual_out, uint32_t* bitmap) {
   std::memset(bitmap, 0, static_cast<size_t>(bitmap_words(n)) * 4);
   if (n == 0) return 0;
-  const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * static_cast<double>(n))), 1, n);
-  // Radix select of the k-th largest rank key: a histogram of the magnitudes' top 16 bits finds
-  // the bin holding it; only that bin's keys are ordered exactly.
-  constexpr int kBinShift = 15;  // 31 magnitude bits -> 65536 bins
-  std::vector<int64_t> hist(size_t{1} << 16, 0);
+  const int64_t k = kept_count(n, fraction);
+  std::vector<int64_t> hist(kHistBins, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const float g = grad_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(grad)[i]) : static_cast<const float*>(grad)[i];
+    const float g = grad_bf16 ? bf16_bits_to_float(static_cast<const uint16_t*>(grad)[i])
+                              : static_cast<const float*>(grad)[i];
     const float acc = g + residual[i];
     kept[i] = acc;  // staged here until the threshold is known
-    ++hist[rank_key(acc, i) >> (32 + kBinShift)];
+    ++hist[hist_bin(rank_key(acc, i))];
   }
-  int64_t above = 0;  // keys in bins above `bin`
-  int64_t bin = static_cast<int64_t>(hist.size()) - 1;
-  while (above + hist[bin] < k) above += hist[bin--];
+  int64_t bin, above;
+  find_bin(hist.data(), k, &bin, &above);
   std::vector<uint64_t> candidates;
   candidates.reserve(static_cast<size_t>(hist[bin]));
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t key = rank_key(kept[i], i);
-    if (static_cast<int64_t>(key >> (32 + kBinShift)) == bin) candidates.push_back(key);
+    if (hist_bin(key) == bin) candidates.push_back(key);
   }
-  // The (k - above)-th largest key of the bin: exactly k keys are >= it (keys are distinct).
-  const auto nth = candidates.begin() + (k - above - 1);
-  std::nth_element(candidates.begin(), nth, candidates.end(), std::greater<uint64_t>());
-  const uint64_t threshold = *nth;
-  for (int64_t i = 0; i < n; ++i) {
-    const float acc = kept[i];
-    if (rank_key(acc, i) >= threshold) {
-      bitmap[i >> 5] |= 1u << (i & 31);
-      residual_out[i] = 0.0f;
-    } else {
-      kept[i] = 0.0f;
-      residual_out[i] = acc;
-    }
-  }
+  const uint64_t threshold = kth_key(candidates, k - above - 1);  // exactly k keys are >= it
+  for (int64_t i = 0; i < n; ++i)
+    if (apply_threshold(kept[i], i, threshold, kept, residual_out)) bitmap[i >> 5] |= 1u << (i & 31);
   return k;
 }
 

@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #ifdef __CUDACC__
 #define JAXODC_HD __host__ __device__ __forceinline__
@@ -49,6 +51,46 @@ JAXODC_HD float sign_of(int64_t index, int row, uint64_t seed) {
 
 JAXODC_HD bool bit_set(const uint32_t* bitmap, int64_t i) { return (bitmap[i >> 5] >> (i & 31)) & 1u; }
 
+JAXODC_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+#endif
+}
+
+JAXODC_HD float bf16_bits_to_float(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+#else
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Orders elements by |value| descending, then index ascending, as one integer: the magnitude's
+// bits (non-negative floats order like their bit patterns) above the complemented index.
+JAXODC_HD uint64_t rank_key(float value, int64_t index) {
+  return (static_cast<uint64_t>(float_bits(value) & 0x7fffffffu) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
+}
+
+// The selection is a radix select: a histogram over the keys' top 16 magnitude bits finds the bin
+// holding the k-th largest key, and only that bin's keys are ordered exactly.
+constexpr int kHistBins = 1 << 16;
+JAXODC_HD int64_t hist_bin(uint64_t key) { return static_cast<int64_t>(key >> 47); }
+
+// Element i once the threshold key is known: kept (true) or carried over in the residual.
+JAXODC_HD bool apply_threshold(float acc, int64_t i, uint64_t threshold, float* kept, float* residual_out) {
+  const bool keep = rank_key(acc, i) >= threshold;
+  kept[i] = keep ? acc : 0.0f;
+  residual_out[i] = keep ? 0.0f : acc;
+  return keep;
+}
+
 JAXODC_HD float median3(float a, float b, float c) {
   const float lo = a < b ? a : b, hi = a < b ? b : a;
   return c < lo ? lo : (c > hi ? hi : c);
@@ -56,6 +98,18 @@ JAXODC_HD float median3(float a, float b, float c) {
 
 // Words of a bitmap over n elements.
 inline int64_t bitmap_words(int64_t n) { return (n + 31) / 32; }
+
+// k = ceil(fraction * n), at least 1 (n > 0).
+inline int64_t kept_count(int64_t n, double fraction) {
+  const double k = fraction * static_cast<double>(n);
+  const int64_t up = static_cast<int64_t>(k) + (static_cast<double>(static_cast<int64_t>(k)) < k ? 1 : 0);
+  return up < 1 ? 1 : (up > n ? n : up);
+}
+
+// The radix select's host steps (sketch.cc), shared by the CPU and CUDA sparsify: the bin holding
+// the k-th largest key and how many keys lie above it; the key of the given rank among candidates.
+void find_bin(const int64_t* hist, int64_t k, int64_t* bin, int64_t* above);
+uint64_t kth_key(std::vector<uint64_t>& candidates, int64_t rank);
 
 // CPU kernels (sketch.cc).
 

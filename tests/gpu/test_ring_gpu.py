@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxodc import _C
+from gpu import gpu_devices_or_skip
 from jaxodc.comm.hashing import hash_array
 from jaxodc.comm.ring import RingEndpoint
 from jaxodc.ops import all_reduce
@@ -15,22 +15,14 @@ from jaxodc.ops import all_reduce
 pytestmark = pytest.mark.gpu
 
 
-def _gpu():
-    try:
-        return [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        return []
-
-
-if not _gpu() or not _C.with_cuda:
-    pytest.skip("needs a CUDA GPU and a CUDA build of jaxodc", allow_module_level=True)
+GPU = gpu_devices_or_skip()[0]
 
 
 @pytest.mark.parametrize("n", [1, 1000, 65536 // 4, 65536 // 4 + 3, 3_000_001])
 @pytest.mark.parametrize("dtype", [np.float32, np.int64, ml_dtypes.bfloat16, np.uint8])
 def test_cuda_hash_equals_cpu_hash(n, dtype):
     x = (np.random.default_rng(n).standard_normal(n) * 100).astype(dtype)
-    g = jax.device_put(x, _gpu()[0])
+    g = jax.device_put(x, GPU)
     assert hash_array(g) == hash_array(x)
 
 
@@ -38,7 +30,7 @@ def test_cuda_hash_detects_one_bit():
     x = np.zeros(1 << 20, np.float32)
     y = x.copy()
     y.view(np.uint32)[12345] ^= 1
-    dev = _gpu()[0]
+    dev = GPU
     assert hash_array(jax.device_put(x, dev)) != hash_array(jax.device_put(y, dev))
 
 
@@ -50,7 +42,7 @@ def test_cuda_ffi_all_reduce_matches_cpu_ring(op, quantize):
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda i: eps[i].connect_ring(addrs, i, 1), range(2)))
         xs = [np.random.default_rng(i).standard_normal((257, 33)).astype(np.float32) for i in range(2)]
-        dev = _gpu()[0]
+        dev = GPU
 
         def gpu_peer():
             f = jax.jit(lambda v: all_reduce(v, eps[0], op=op, quantize=quantize))
