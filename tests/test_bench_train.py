@@ -91,7 +91,8 @@ def test_summarize_arithmetic():
 
 def test_activation_bytes_scale_with_tokens():
     import jax
-    from jaxodc.bench.train import activation_bytes, row_buckets
+    from jaxodc.bench.train import row_buckets
+    from jaxodc.bench.train_memory import activation_bytes
     from jaxodc.models.lm import LM, LMConfig
     model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
     shape = jax.eval_shape(model.init, jax.random.PRNGKey(0))
@@ -101,3 +102,16 @@ def test_activation_bytes_scale_with_tokens():
     assert a256["activations"] > 4 * a64["activations"]
     assert a64["temp_w1_1token"] == a256["temp_w1_1token"]
     assert row_buckets(512, 64) == [64, 128, 256, 512] and row_buckets(100, 64) == [64, 100]
+
+
+@pytest.mark.slow
+def test_tiny_memory_run_reports_both_trainers(tmp_path):
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--memory", "--memory-ranks", "2", "--memory-d-model", "64",
+           "--memory-layers", "2", "--memory-steps", "1", "--json", str(out), "--timeout", "150"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((r["comm"], r["ranks"]) for r in rows) == [("collective", 2), ("odc", 2)]
+    for r in rows:
+        assert r["peak"] == max(r["peak_rss"], r["peak_xla"]) > 0 and r["bound"] > r["S_over_W"] > 0, r
