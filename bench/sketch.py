@@ -3,7 +3,7 @@ memcpy of the same gradient, one record per stage: sparsify (exact top-fraction 
 error feedback; it also writes the index bitmap), sketch (count-sketch build), peel (decode), and
 the pipeline of the three (1 / sum of 1 / gbps). Bar: pipeline >= 0.1 x memcpy.
 
-    python -m jaxodc bench sketch --json bench/out/sketch.json [--mb 64] [--fraction 0.01] [--ratio 0.5]
+    python -m jaxodc bench sketch --json bench/out/sketch.json [--mb 64] [--fraction 0.01] [--ratio 50]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", help="write the records here")
     p.add_argument("--mb", type=int, default=64, help="gradient size in MB of fp32")
     p.add_argument("--fraction", type=float, default=0.01, help="kept fraction")
-    p.add_argument("--ratio", type=float, default=0.5, help="sketch size vs the kept values sent densely")
+    p.add_argument("--ratio", type=float, default=50.0, help="dense fp32 bytes / sketch bytes")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     pin_one_core()  # before jax: XLA sizes its thread pool from the affinity
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     grad = jnp.asarray(rng.standard_normal(n).astype(np.float32))
     residual = jnp.asarray((rng.standard_normal(n) * 0.1).astype(np.float32))
     k = int(np.ceil(args.fraction * n))
-    width = sketch_width(k, args.ratio)
+    width = sketch_width(n, args.ratio)
     sparsify = jax.jit(lambda g, r: sketch_sparsify(g, r, fraction=args.fraction))
     build = jax.jit(lambda v, b: sketch_build(v, b, width=width))
     peel = jax.jit(lambda s, b: sketch_peel(s, b, n=n))

@@ -66,7 +66,7 @@ class Block(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
         o = segment_attention(q, k, v, segment_ids, impl=cfg.attention).reshape(B, T, d)
-        x = x + nn.Dense(d, use_bias=False, kernel_init=init, name="proj")(o)
+        x = x + nn.Dense(d, use_bias=False, kernel_init=init, name="attn_out")(o)
         h = nn.RMSNorm(name="mlp_norm")(x)
         h = nn.Dense(cfg.mlp_ratio * d, kernel_init=init, name="up")(h)
         h = nn.Dense(d, kernel_init=init, name="down")(jax.nn.gelu(h))

@@ -4,7 +4,7 @@ the peeling decoder. Sketches add and bitmaps OR (`jnp.bitwise_or`), so a receiv
 senders' before one `sketch_peel`.
 
     kept, residual, bitmap = sketch_sparsify(grad, residual, fraction=0.01)
-    s = sketch_build(kept, bitmap, width=sketch_width(n_kept, ratio))     # what travels: bitmap + s
+    s = sketch_build(kept, bitmap, width=sketch_width(grad.size, ratio=10))  # what travels: bitmap + s
     values, (peeled, estimated) = sketch_peel(s, bitmap, n=grad.size)
 """
 from __future__ import annotations
@@ -27,15 +27,15 @@ def bitmap_words(n: int) -> int:
     return (int(n) + 31) // 32
 
 
-def sketch_width(n_kept: int, ratio: float) -> int:
-    """Buckets per row for a sketch `ratio` times smaller than the kept values sent densely
-    (3 rows x width fp32 = 4 * n_kept / ratio bytes); at least 1.
+def sketch_width(n: int, ratio: float) -> int:
+    """Buckets per row for a sketch `ratio` times smaller than n fp32 values sent densely
+    (3 rows x width = n / ratio buckets, TAGC's "compression level"); at least 1.
 
-    Peeling recovers every element, with high probability, while width >= about n_kept / 2.4
-    (3-row hypergraph peeling threshold), i.e. ratio <= about 0.8."""
+    Peeling recovers every kept element, with high probability, while the 3 * width buckets
+    number about 1.23 x the kept count or more (the 3-row hypergraph peeling threshold)."""
     if not ratio > 0:
         raise ValueError(f"sketch_width: ratio must be > 0, got {ratio}")
-    return max(1, math.ceil(n_kept / (ROWS * ratio)))
+    return max(1, math.ceil(n / (ROWS * ratio)))
 
 
 def _flat(x, what: str, dtypes) -> jax.Array:
