@@ -97,6 +97,33 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port)]")
       .def("unlink_segment", &Runtime::unlink_segment)
+      .def("set_link", &Runtime::set_link, nb::arg("bytes_per_s"), nb::arg("latency_s"),
+           "Emulated link of the tcp transport (before connect): bytes/s cap (<= 0: none), added latency.")
+      .def("add_range", &Runtime::add_range, nb::arg("unit"), nb::arg("offset"), nb::arg("size"),
+           nb::arg("fraction"), nb::arg("ratio"), nb::arg("seed"), nb::arg("compress"),
+           "TAGC: pushes of this range to other ranks travel compressed (or, compress=False, are only counted).")
+      .def("traffic",
+           [](Runtime& rt, int unit) {
+             odc::UnitTraffic t = rt.traffic(unit);
+             nb::dict d;
+             d["wire_bytes"] = t.wire_bytes;
+             d["range_bytes"] = t.range_bytes;
+             d["range_elems"] = t.range_elems;
+             d["kept_elems"] = t.kept_elems;
+             d["peeled"] = t.peeled;
+             d["estimated"] = t.estimated;
+             return d;
+           },
+           nb::arg("unit"), "This rank's gradient traffic of the unit so far (counters).")
+      .def(
+          "residual",
+          [](const Runtime& rt, int unit, int64_t offset) {
+            const std::vector<float> r = rt.residual(unit, offset);
+            auto out = new_f32(static_cast<int64_t>(r.size()));
+            std::copy(r.begin(), r.end(), out.data());
+            return out;
+          },
+          nb::arg("unit"), nb::arg("offset"), "A copy of the compressed range's error-feedback residual.")
       .def(
           "gather",
           [](Runtime& rt, int unit, int64_t version, AnyIn out) {

@@ -40,6 +40,9 @@ struct Core {
   const int rank;
   const Layout layout;
   const double timeout_s;
+  // Emulated link of the tcp transport (bytes/s, 0 = uncapped; seconds added per message), set
+  // before connect; every connection and direction gets a token bucket of its own.
+  double link_rate = 0, link_latency = 0;
   SegmentHeader* seg = nullptr;  // mine, mapped until the runtime is destroyed
   std::unique_ptr<Device> dev;   // my device block; null without a device
   std::atomic<bool> stop{false};

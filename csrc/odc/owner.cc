@@ -3,6 +3,7 @@
 // publishing new master shards.
 #include <cstring>
 
+#include "odc/compress.h"
 #include "odc/core.h"
 #include "odc/peer.h"
 #include "odc/runtime.h"
@@ -35,9 +36,13 @@ bool Runtime::drain_slots() {
     if (slot->state.load(std::memory_order_acquire) != kSlotFull) continue;
     const int unit = slot->unit;
     const int64_t count = slot->count, offset = slot->offset;
-    const bool host = slot->where == kSlotHost;
+    const bool host = slot->where == kSlotHost, sketch = slot->where == kSlotSketch;
+    const bool fits = host ? count <= core.layout.slot_elems
+                     : sketch ? slot->sketch_width > 0 && count > 0 &&
+                                    sketch_payload_bytes(count, slot->sketch_width) <= core.layout.slot_elems * 4
+                              : offset == 0;
     if (unit < 0 || unit >= num_units() || count < 0 || offset < 0 || offset + count > core.layout.shards[unit] ||
-        (host && count > core.layout.slot_elems) || (!host && offset != 0)) {
+        !fits) {
       core.record_push_error("rank " + std::to_string(c) + " pushed a malformed message (unit " +
                              std::to_string(unit) + ", " + std::to_string(count) + " elements at " +
                              std::to_string(offset) + ") to " + core.who());
@@ -54,11 +59,22 @@ bool Runtime::drain_slots() {
             core.record_push_error(e.what());
           }
         }
+      } else if (sketch) {
+        if (accept_push(unit, slot->version, c)) {
+          int64_t peeled, estimated;
+          {
+            std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+            decode_add(reinterpret_cast<const char*>(seg->slot_data(c)), count, slot->sketch_width, slot->sketch_seed,
+                       accum_[unit].get() + offset, &peeled, &estimated);
+          }
+          compressor_->count_decoded(unit, peeled, estimated);
+        }
       } else {
         accumulate(unit, slot->version, c, seg->slot_data(c), count, offset);
       }
       pushes_received_.fetch_add(1, std::memory_order_relaxed);
-      bytes_received_.fetch_add(count * 4, std::memory_order_relaxed);
+      bytes_received_.fetch_add(sketch ? sketch_payload_bytes(count, slot->sketch_width) : count * 4,
+                                std::memory_order_relaxed);
     }
     slot->state.store(kSlotFree, std::memory_order_release);
     drained = true;

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "odc/compress.h"
 #include "odc/core.h"
+#include "transport/link_shaper.h"
 #include "odc/wire.h"
 
 namespace jaxodc::odc {
@@ -40,6 +42,11 @@ class Peer {
   // Adds `count` elements of `src` into this owner's shard of `unit`, from element `offset` on.
   virtual void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
                     std::vector<float>& staging) = 0;
+  // Hands this owner a compressed chunk (compress.h) for elements [offset, offset + chunk.count)
+  // of its shard of `unit`; the chunk fits one receive slot.
+  virtual void push_sketch(int /*unit*/, int64_t /*version*/, int64_t /*offset*/, const SketchChunk& /*chunk*/) {
+    throw Error(core_.who() + ": " + name() + " takes no compressed pushes (this rank's own slice stays dense)");
+  }
   virtual void done(int64_t version) = 0;
   virtual int64_t claim(int64_t version, int64_t count, bool steal) = 0;
   // This owner's value of allgather_scalar call `seq`.
@@ -104,6 +111,7 @@ class ShmPeer : public MappedPeer {
   ShmPeer(const Core& core, int rank, Mapping seg);
   void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
             std::vector<float>& staging) override;
+  void push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) override;
   void check_alive(const std::string& what) const override;
   void close() override { mapping_.reset(); }
 
@@ -121,6 +129,7 @@ class TcpPeer : public Peer {
   void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
   void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
             std::vector<float>& staging) override;
+  void push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) override;
   void done(int64_t version) override;
   int64_t claim(int64_t version, int64_t count, bool steal) override;
   double scalar(int64_t seq, const std::string& what) override;
@@ -130,10 +139,14 @@ class TcpPeer : public Peer {
  protected:
   // One request and its reply on the connection (an error reply throws PeerError(what: message)).
   WireHeader call(const WireHeader& request, double reply_timeout_s, const std::string& what);
-  void send(const WireHeader& request);  // the caller holds mu_
+  // The caller holds mu_. Requests are stamped with their sending time and, like data, pass the
+  // emulated link.
+  void send(WireHeader request);
+  void send_data(const void* data, size_t bytes);
 
   std::mutex mu_;  // one request at a time on the connection
   int fd_ = -1;
+  tcp::Link link_;  // to this owner
 };
 
 }  // namespace jaxodc::odc

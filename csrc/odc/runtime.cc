@@ -29,7 +29,8 @@ Runtime* runtime_by_handle(int64_t handle) { return live_runtimes().find(handle)
 Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
                  double timeout_s, const std::string& listen_host, int64_t slot_elems)
     : job_id_(job_id),
-      core_(std::make_unique<Core>(rank, Layout(rank, world, unit_numels, slot_elems), timeout_s)) {
+      core_(std::make_unique<Core>(rank, Layout(rank, world, unit_numels, slot_elems), timeout_s)),
+      compressor_(std::make_unique<Compressor>()) {
   for (char c : job_id)
     if (!(isalnum(static_cast<unsigned char>(c)) || c == '_'))
       throw Error("job id '" + job_id + "' may hold only letters, digits and '_'");
@@ -130,6 +131,40 @@ void Runtime::enable_device(int ordinal) {
   if (core_->dev) throw Error(who + ": device " + std::to_string(core_->dev->ordinal()) + " is already enabled");
   if (connected_) throw Error(who + ": must be called before connect");
   core_->dev = make_device(*core_, ordinal);
+}
+
+void Runtime::set_link(double bytes_per_s, double latency_s) {
+  check_open("set_link");
+  // Before connect, and before this rank's address reaches any peer: the server's connection
+  // threads read the setting when a peer connects.
+  if (connected_) throw Error(core_->who() + ": set_link must be called before connect");
+  core_->link_rate = bytes_per_s > 0 ? bytes_per_s : 0;
+  core_->link_latency = latency_s > 0 ? latency_s : 0;
+}
+
+void Runtime::add_range(int unit, int64_t offset, int64_t size, double fraction, double ratio, uint64_t seed,
+                        bool compress) {
+  check_open("add_range");
+  check_unit(unit, "add_range");
+  try {
+    compressor_->add(unit, core_->layout.numels[unit], offset, size, fraction, ratio, seed, compress);
+  } catch (const Error& e) {
+    throw Error(core_->who() + ": " + e.what());
+  }
+}
+
+UnitTraffic Runtime::traffic(int unit) {
+  check_unit(unit, "traffic");
+  return compressor_->traffic(unit);
+}
+
+std::vector<float> Runtime::residual(int unit, int64_t offset) const {
+  check_unit(unit, "residual");
+  try {
+    return compressor_->residual(unit, offset);
+  } catch (const Error& e) {
+    throw Error(core_->who() + ": " + e.what());
+  }
 }
 
 std::string Runtime::nvshmem_uniqueid() {

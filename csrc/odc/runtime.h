@@ -24,7 +24,8 @@
 //
 // Where the code lives: runtime.cc (construction, connect, close), segment.cc (layout, segment
 // creation, stale-segment reclaim), worker.cc (gather / scatter_accumulate over the peers),
-// owner.cc (daemon, accumulation, publish), core.cc (the waits they share), one class per
+// owner.cc (daemon, accumulation, publish), compress.cc (TAGC's compressed push and its decode),
+// core.cc (the waits they share), one class per
 // transport in peer.h (shm.cc, tcp_peer.cc, cuda_ipc.cu, nvshmem.cu), the wire format and the TCP
 // server in wire.h / tcp_server.cc, the device block in device.h (cuda_ipc.cu, nvshmem.cu).
 #pragma once
@@ -39,6 +40,7 @@
 
 #include "common/dtype.h"
 #include "common/sync.h"
+#include "odc/compress.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; declared here so this header needs no CUDA
 
@@ -113,6 +115,20 @@ class Runtime {
   void init_nvshmem(const std::string& uid, const std::vector<int>& pe_of_rank);
   bool nvshmem_active() const;
 
+  // Emulates a slower network on the tcp transport (experiments on one host): every connection and
+  // direction is capped at `bytes_per_s` (<= 0: uncapped) and every message arrives `latency_s`
+  // after it was sent. Before connect.
+  void set_link(double bytes_per_s, double latency_s);
+  // TAGC (compress.h): pushes of elements [offset, offset + size) of `unit` to other ranks travel
+  // as bitmap + count sketch (kept `fraction`, sketch `ratio` times smaller than dense fp32, hash
+  // `seed`); with compress = false the range is only counted in traffic(). Before the first push.
+  void add_range(int unit, int64_t offset, int64_t size, double fraction, double ratio, uint64_t seed,
+                 bool compress);
+  // This rank's gradient traffic of `unit` so far (as a worker and, for the decode counts, as an owner).
+  UnitTraffic traffic(int unit);
+  // The error-feedback residual of the compressed range starting at `offset` (a copy; tests).
+  std::vector<float> residual(int unit, int64_t offset) const;
+
   // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
   // handshake).
   void connect(const std::vector<PeerConfig>& peers);
@@ -184,6 +200,10 @@ class Runtime {
   bool drain_slots();
   bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
+  // Pushes elements [a, a + n) of the unit (`src`) to owner p, whose piece starts at owner_lo:
+  // registered ranges compressed, the rest dense.
+  void push_piece(Peer* p, int unit, int64_t version, int64_t owner_lo, int64_t a, const char* src, ElemType type,
+                  int64_t n, std::vector<float>& staging);
 
   std::string job_id_;
   std::unique_ptr<Core> core_;
@@ -192,6 +212,7 @@ class Runtime {
   bool linked_ = false;
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null until connect
   std::unique_ptr<TcpServer> server_;         // null in a world of one
+  std::unique_ptr<Compressor> compressor_;
 
   struct FreeDeleter {
     void operator()(float* p) const { std::free(p); }

@@ -17,8 +17,8 @@ constexpr uint64_t kMagic = 0x3130434f444f584aULL;  // "JXODOC01"
 constexpr int kRing = 8;  // versions in flight differ by at most 1; 8 entries leave ample margin
 constexpr uint32_t kSlotFree = 0, kSlotFull = 1;
 // Where the data of a full slot lies: the owner's host segment, its device block (cuda_ipc), or
-// its NVSHMEM block (nvshmem).
-constexpr int32_t kSlotHost = 0, kSlotDevice = 1, kSlotNvshmem = 2;
+// its NVSHMEM block (nvshmem); kSlotSketch: in the host segment, a compressed chunk (compress.h).
+constexpr int32_t kSlotHost = 0, kSlotDevice = 1, kSlotNvshmem = 2, kSlotSketch = 3;
 constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t); checked in cuda_ipc.cu
 
 // A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
@@ -62,6 +62,8 @@ struct alignas(64) SlotHeader {
   // block only when no live client maps it any more.
   std::atomic<int32_t> mapper_pid;
   int64_t offset;  // where in the owner's shard the slot's `count` elements go
+  int64_t sketch_width;  // kSlotSketch: the sketch's buckets per row and its hash seed
+  uint64_t sketch_seed;
 };
 
 struct alignas(64) ScalarEntry {
@@ -99,8 +101,11 @@ struct SegmentHeader {
   // Hands client's filled receive slot to this owner's daemon; the data must already be in place.
   // `offset`: the first element of the owner's shard the data adds to (host slots may carry a
   // chunk of a push; device slots always hold a whole shard piece).
-  void raise_slot(int client, int unit_index, int64_t version, int64_t count, int32_t where, int64_t offset = 0) {
+  void raise_slot(int client, int unit_index, int64_t version, int64_t count, int32_t where, int64_t offset = 0,
+                  int64_t sketch_width = 0, uint64_t sketch_seed = 0) {
     SlotHeader* s = slot(client);
+    s->sketch_width = sketch_width;
+    s->sketch_seed = sketch_seed;
     s->unit = unit_index;
     s->version = version;
     s->count = count;

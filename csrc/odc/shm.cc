@@ -1,5 +1,7 @@
 // The transports over mapped segments: this rank itself and same-host peers (shm). Reads and
 // writes go straight to the owner's memory; futexes in its segment wake the waiters.
+#include <cstring>
+
 #include "odc/peer.h"
 #include "odc/runtime.h"
 
@@ -73,6 +75,17 @@ void ShmPeer::push(int unit, int64_t version, int64_t offset, const char* src, E
     seg_->raise_slot(core_.rank, unit, version, chunk, kSlotHost, offset + sent);
     sent += chunk;
   } while (sent < count);
+}
+
+void ShmPeer::push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) {
+  if (static_cast<int64_t>(chunk.payload.size()) > core_.layout.slot_elems * 4)
+    throw Error(core_.who() + ": a compressed chunk of " + std::to_string(chunk.payload.size()) +
+                " bytes does not fit the receive slot at " + name());
+  core_.wait_slot_free(seg_, core_.rank, this,
+                       "waiting for its receive slot at " + name() + " (pushing unit " + std::to_string(unit) +
+                           " version " + std::to_string(version) + ", compressed)");
+  std::memcpy(seg_->slot_data(core_.rank), chunk.payload.data(), chunk.payload.size());
+  seg_->raise_slot(core_.rank, unit, version, chunk.count, kSlotSketch, offset, chunk.width, chunk.seed);
 }
 
 void ShmPeer::check_alive(const std::string& what) const {

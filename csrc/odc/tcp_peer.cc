@@ -2,11 +2,13 @@
 // (tcp_server.cc), one at a time per connection.
 #include "odc/peer.h"
 #include "odc/runtime.h"
+#include "transport/link_shaper.h"
 #include "transport/tcp_socket.h"
 
 namespace jaxodc::odc {
 
 TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank) {
+  link_.set(core.link_rate, core.link_latency);
   fd_ = tcp::connect_within(cfg.host, cfg.port, core.timeout_s, name());
   send(request(kHello, core.rank, 0, 0, core.layout.world, core.layout.hash));
   WireHeader r{};
@@ -15,12 +17,19 @@ TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank)
     throw Error("unit layout of " + name() + " differs from " + core.who() + " (tcp handshake refused)");
 }
 
-void TcpPeer::send(const WireHeader& h) { tcp::send_within(fd_, &h, sizeof(h), core_.timeout_s, name()); }
+void TcpPeer::send(WireHeader h) {
+  h.sent_at = now_seconds();
+  send_data(&h, sizeof(h));
+}
+
+void TcpPeer::send_data(const void* data, size_t bytes) {
+  tcp::send_shaped(fd_, data, bytes, link_, core_.timeout_s, name());
+}
 
 WireHeader TcpPeer::call(const WireHeader& h, double reply_timeout_s, const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   send(h);
-  return recv_reply(fd_, name(), reply_timeout_s, what);
+  return recv_reply(fd_, name(), reply_timeout_s, what, core_.link_latency);
 }
 
 Peer::Pending TcpPeer::request_piece(int unit, int64_t version) {
@@ -31,12 +40,13 @@ Peer::Pending TcpPeer::request_piece(int unit, int64_t version) {
 
 void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::vector<float>& staging) {
   // The owner waits for the version; the reply may take up to its timeout.
+  // The reply's latency is applied once its data is in (below).
   const WireHeader r = recv_reply(fd_, name(), core_.timeout_s + 5,
                                   "gather of unit " + std::to_string(unit) + " from " + name() + " failed");
   int64_t lo, n;
   core_.layout.piece(unit, rank_, &lo, &n);
   if (r.count != n) throw PeerError("gather: " + name() + " sent a wrong shard size");
-  if (n == 0) return;
+  if (n == 0) return tcp::arrive_after(r.sent_at, sizeof(r), core_.link_rate, core_.link_latency);
   char* dst = unit_out + lo * elem_size(type);
   if (type == ElemType::kF32) {
     tcp::recv_within(fd_, dst, static_cast<size_t>(n) * 4, core_.timeout_s, name());
@@ -45,6 +55,7 @@ void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::
     tcp::recv_within(fd_, staging.data(), static_cast<size_t>(n) * 4, core_.timeout_s, name());
     store_from_f32(dst, type, staging.data(), n);
   }
+  tcp::arrive_after(r.sent_at, static_cast<double>(sizeof(r) + n * 4), core_.link_rate, core_.link_latency);
 }
 
 void TcpPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
@@ -57,7 +68,16 @@ void TcpPeer::push(int unit, int64_t version, int64_t offset, const char* src, E
     load_to_f32(staging.data(), src, type, count);
     data = reinterpret_cast<const char*>(staging.data());
   }
-  tcp::send_within(fd_, data, static_cast<size_t>(count) * 4, core_.timeout_s, name());
+  send_data(data, static_cast<size_t>(count) * 4);
+}
+
+void TcpPeer::push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  WireHeader h = request(kPushSketch, core_.rank, unit, version, chunk.count, static_cast<uint64_t>(offset));
+  h.sketch_width = chunk.width;
+  h.sketch_seed = chunk.seed;
+  send(h);
+  send_data(chunk.payload.data(), chunk.payload.size());
 }
 
 void TcpPeer::done(int64_t version) {

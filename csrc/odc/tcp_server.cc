@@ -3,16 +3,20 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include "odc/compress.h"
 #include "odc/core.h"
 #include "odc/runtime.h"
 #include "odc/wire.h"
+#include "transport/link_shaper.h"
 #include "transport/tcp_socket.h"
 
 namespace jaxodc::odc {
 
-WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what) {
+WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what,
+                      double latency) {
   WireHeader r{};
   tcp::recv_within(fd, &r, sizeof(r), timeout_s, peer);
+  tcp::arrive_after(r.sent_at, 0, 0, latency);
   if (r.status != 0) {
     std::string msg(static_cast<size_t>(r.count), '\0');
     tcp::recv_within(fd, msg.data(), msg.size(), timeout_s, peer);
@@ -54,16 +58,19 @@ void TcpServer::stop() {
 
 namespace {
 
-// One client connection's replies; `client` is -1 until its hello.
+// One client connection's replies, through the emulated link back to the client; `client` is -1
+// until its hello.
 struct Replier {
   int fd;
   double timeout_s;
+  tcp::Link& link;
   int client = -1;
 
   std::string peer() const { return "rank " + std::to_string(client); }
-  void send(const WireHeader& r, const void* data = nullptr, size_t bytes = 0) const {
-    tcp::send_within(fd, &r, sizeof(r), timeout_s, peer());
-    if (bytes) tcp::send_within(fd, data, bytes, timeout_s, peer());
+  void send(WireHeader r, const void* data = nullptr, size_t bytes = 0) const {
+    r.sent_at = now_seconds();
+    tcp::send_shaped(fd, &r, sizeof(r), link, timeout_s, peer());
+    if (bytes) tcp::send_shaped(fd, data, bytes, link, timeout_s, peer());
   }
   void error(const std::string& msg) const {
     WireHeader r{};
@@ -87,7 +94,9 @@ struct Replier {
 }  // namespace
 
 void TcpServer::serve(int fd) {
-  Replier out{fd, core_.timeout_s};
+  tcp::Link link;
+  link.set(core_.link_rate, core_.link_latency);
+  Replier out{fd, core_.timeout_s, link};
   int& client = out.client;
   SegmentHeader* seg = core_.seg;
   const Layout& layout = core_.layout;
@@ -98,6 +107,9 @@ void TcpServer::serve(int fd) {
       if (poll(&p, 1, 100) <= 0) continue;
       WireHeader h{};
       tcp::recv_within(fd, &h, sizeof(h), core_.timeout_s, out.peer());
+      // A request arrives `latency` after it was sent; a push once its data has (below).
+      const bool carries_data = h.op == kPush || h.op == kPushSketch;
+      if (!carries_data) tcp::arrive_after(h.sent_at, 0, 0, core_.link_latency);
       if (h.op == kHello) {
         client = h.rank;
         WireHeader r{};
@@ -149,9 +161,25 @@ void TcpServer::serve(int fd) {
             // leaves the accumulator without it.
             tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_.timeout_s,
                              out.peer());
+            tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + (got + chunk) * 4), core_.link_rate,
+                              core_.link_latency);
             seg->raise_slot(client, h.unit, h.version, chunk, kSlotHost, offset + got);
             got += chunk;
           } while (got < h.count);
+          break;
+        }
+        case kPushSketch: {
+          const int64_t offset = static_cast<int64_t>(h.aux);
+          const int64_t bytes = known_unit && h.count > 0 && h.sketch_width > 0
+                                    ? sketch_payload_bytes(h.count, h.sketch_width) : -1;
+          if (bytes < 0 || offset < 0 || offset + h.count > layout.shards[h.unit] || bytes > layout.slot_elems * 4)
+            throw PeerError("malformed compressed push (unit " + std::to_string(h.unit) + ", " +
+                            std::to_string(h.count) + " elements at " + std::to_string(offset) + ", sketch width " +
+                            std::to_string(h.sketch_width) + ")");
+          core_.wait_slot_free(seg, client, nullptr, "draining the receive slot of " + out.peer());
+          tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(bytes), core_.timeout_s, out.peer());
+          tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + bytes), core_.link_rate, core_.link_latency);
+          seg->raise_slot(client, h.unit, h.version, h.count, kSlotSketch, offset, h.sketch_width, h.sketch_seed);
           break;
         }
         case kDone:

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -15,9 +16,10 @@ struct Core;
 
 // kNv*: the control half of the nvshmem transport (the data moves through NVSHMEM): wait for a
 // publication (reply), wait for the client's slot to be free (reply), mark it full (no reply).
+// kPushSketch: a compressed chunk (compress.h) of `count` elements; its payload follows.
 enum Op : uint32_t {
   kHello = 1, kGather = 2, kPush = 3, kDone = 4, kScalar = 5, kClaim = 6, kBye = 7,
-  kNvWaitPublished = 8, kNvWaitSlot = 9, kNvCommit = 10
+  kNvWaitPublished = 8, kNvWaitSlot = 9, kNvCommit = 10, kPushSketch = 11
 };
 
 struct WireHeader {
@@ -29,6 +31,9 @@ struct WireHeader {
   int64_t count;
   uint64_t aux;  // push: offset in the owner's shard; claim: steal; hello: layout hash
   double value;
+  int64_t sketch_width;  // kPushSketch
+  uint64_t sketch_seed;
+  double sent_at;  // now_seconds() at sending: the receiver of an emulated link holds it until sent_at + latency
 };
 
 inline WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t version = 0, int64_t count = 0,
@@ -43,8 +48,10 @@ inline WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t versi
   return h;
 }
 
-// Receives a reply; an error reply is thrown as PeerError(what: message).
-WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what);
+// Receives a reply, held back by the emulated link's `latency` (0: none); an error reply is thrown
+// as PeerError(what: message).
+WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what,
+                      double latency = 0);
 
 // This rank's TCP server: one thread per client connection performs the client's one-sided
 // operations on my segment (its waits bounded by the runtime's timeout). A connection that ends

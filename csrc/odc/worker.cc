@@ -2,6 +2,7 @@
 // transport, peer.h), the done markers, LB-Steal claims and the scalar all-gather.
 #include <utility>
 
+#include "odc/compress.h"
 #include "odc/core.h"
 #include "odc/peer.h"
 #include "odc/runtime.h"
@@ -50,13 +51,12 @@ void Runtime::scatter_accumulate(int unit, int64_t version, const void* grad, El
                                  Route route) {
   check_buffer("scatter_accumulate", unit, core_->layout.numels[unit], "gradient", grad_numel);
   const char* src = static_cast<const char*>(grad);
-  const size_t esize = elem_size(type);
   std::vector<float> staging;
   // Start with the next owner so that ranks do not all queue at owner 0 at once.
   for (Peer* p : owners(rank() + 1, route)) {
     int64_t lo, n;
     piece(unit, p->rank(), &lo, &n);
-    p->push(unit, version, 0, src + lo * esize, type, n, staging);
+    push_piece(p, unit, version, lo, lo, src + lo * elem_size(type), type, n, staging);
   }
 }
 
@@ -77,8 +77,38 @@ void Runtime::scatter_accumulate_range(int unit, int64_t version, int64_t offset
     piece(unit, p->rank(), &lo, &len);
     const int64_t a = std::max(lo, offset), b = std::min(lo + len, offset + n);
     if (a >= b) continue;  // this owner holds none of the range
-    p->push(unit, version, a - lo, src + (a - offset) * esize, type, b - a, staging);
+    push_piece(p, unit, version, lo, a, src + (a - offset) * esize, type, b - a, staging);
   }
+}
+
+void Runtime::push_piece(Peer* p, int unit, int64_t version, int64_t owner_lo, int64_t a, const char* src,
+                         ElemType type, int64_t n, std::vector<float>& staging) {
+  Compressor& comp = *compressor_;
+  comp.freeze();
+  const bool remote = p->rank() != rank();
+  if (comp.empty() || n == 0) {
+    p->push(unit, version, a - owner_lo, src, type, n, staging);
+    if (remote) comp.count_push(unit, n * 4, nullptr, n, n);
+    return;
+  }
+  const size_t esize = elem_size(type);
+  SketchChunk chunk;
+  comp.split(unit, a, a + n, [&](int64_t lo, int64_t hi, CompressedRange* r) {
+    const char* at = src + (lo - a) * esize;
+    // My own slice never travels: it stays dense (and exact).
+    if (r == nullptr || !r->compress || !remote) {
+      p->push(unit, version, lo - owner_lo, at, type, hi - lo, staging);
+      if (remote) comp.count_push(unit, (hi - lo) * 4, r, hi - lo, hi - lo);
+      return;
+    }
+    const int64_t step = Compressor::chunk_elems(*r, core_->layout.slot_elems * 4);
+    for (int64_t c = lo; c < hi; c += step) {
+      const int64_t m = std::min(step, hi - c);
+      const int64_t kept = Compressor::encode(*r, c, at + (c - lo) * esize, type, m, chunk);
+      p->push_sketch(unit, version, c - owner_lo, chunk);
+      comp.count_push(unit, static_cast<int64_t>(chunk.payload.size()), r, m, kept);
+    }
+  });
 }
 
 void Runtime::gather_device(int unit, int64_t version, float* out, CUstream_st* stream) {

@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "ring/host_kernels.h"
-#include "ring/link_shaper.h"
+#include "transport/link_shaper.h"
 #include "ring/ring.h"
 #include "ring/ring_state.h"
 #include "ring/staged_ops.h"

@@ -13,7 +13,7 @@
 
 #include "common/handles.h"
 #include "hash/sha256.h"
-#include "ring/link_shaper.h"
+#include "transport/link_shaper.h"
 #include "ring/ring.h"
 #include "ring/ring_state.h"
 #include "transport/tcp_socket.h"
@@ -383,12 +383,7 @@ std::shared_ptr<Link> Endpoint::link_for(const std::string& peer) {
 }
 
 void Endpoint::set_link(const std::string& peer, double bw, double latency_s) {
-  auto l = link_for(peer);
-  std::lock_guard<std::mutex> g(l->mu);
-  l->rate = bw > 0 ? bw : 0;
-  l->latency = latency_s > 0 ? latency_s : 0;
-  l->tokens = l->rate > 0 ? l->burst() : 0;
-  l->last = now_seconds();
+  link_for(peer)->set(bw, latency_s);
 }
 
 double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {

@@ -19,7 +19,7 @@
 // can cost), so an abort at any point leaves x untouched.
 //
 // Where the code lives: endpoint.cc (connections, handshake, connect_ring, dispatcher, bandwidth
-// probe), all_reduce.cc (one operation: OpRunner, CpuOps), link_shaper.h (link emulation),
+// probe), all_reduce.cc (one operation: OpRunner, CpuOps), transport/link_shaper.h (link emulation),
 // engine.h / staged_ops.h (the memory side of an op), wire.h and ring_state.h (internal).
 #pragma once
 
@@ -38,6 +38,10 @@
 #include "ring/engine.h"
 #include "ring/reduce.h"
 
+namespace jaxodc::tcp {
+struct Link;
+}  // namespace jaxodc::tcp
+
 namespace jaxodc::ring {
 
 enum class Status : int { kOk = 0, kAborted = 1, kTimeout = 2, kConnection = 3, kInvalid = 4 };
@@ -47,7 +51,7 @@ struct OpResult {
   std::string message;
 };
 
-struct Link;
+using tcp::Link;
 struct RingState;
 
 class Endpoint {

@@ -62,8 +62,8 @@ void build(const float* values, const uint32_t* bitmap, int64_t n, int64_t width
 }
 
 void peel(const float* sketch, const uint32_t* bitmap, int64_t n, int64_t width, uint64_t seed, float* values,
-          int64_t* counts) {
-  std::fill(values, values + n, 0.0f);
+          int64_t* counts, bool add) {
+  if (!add) std::fill(values, values + n, 0.0f);
   const int64_t buckets = kRows * width;
   // What is left in each bucket: its value (double: peeling subtracts many times), how many
   // unresolved elements it holds and the XOR of their indices (the index itself once it holds one).
@@ -94,7 +94,7 @@ void peel(const float* sketch, const uint32_t* bitmap, int64_t n, int64_t width,
     if (count[q] != 1) continue;  // emptied since it was queued
     const int64_t i = static_cast<int64_t>(xor_index[q]);
     const double v = sign_of(i, static_cast<int>(q / width), seed) * left[q];
-    values[i] = static_cast<float>(v);
+    values[i] = add ? values[i] + static_cast<float>(v) : static_cast<float>(v);
     resolved[i] = 1;
     ++peeled;
     for (int r = 0; r < kRows; ++r) {
@@ -111,7 +111,8 @@ void peel(const float* sketch, const uint32_t* bitmap, int64_t n, int64_t width,
     float est[kRows];
     for (int r = 0; r < kRows; ++r)
       est[r] = sign_of(i, r, seed) * static_cast<float>(left[r * width + bucket_of(i, r, seed, width)]);
-    values[i] = median3(est[0], est[1], est[2]);
+    const float m = median3(est[0], est[1], est[2]);
+    values[i] = add ? values[i] + m : m;
     ++estimated;
   }
   counts[0] = peeled;

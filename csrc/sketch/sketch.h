@@ -122,9 +122,18 @@ int64_t sparsify(const void* grad, bool grad_bf16, const float* residual, int64_
 // sketch[r * width + b] = sum over the bitmap's elements i with bucket_of(i, r) == b of sign * values[i].
 void build(const float* values, const uint32_t* bitmap, int64_t n, int64_t width, uint64_t seed, float* sketch);
 
-// Decodes a (summed) sketch over the bitmap's support into values (0 off the support).
+// Decodes a (summed) sketch over the bitmap's support into values (0 off the support; with `add`,
+// the decoded values are added to `values` instead, which is otherwise left alone).
 // counts[0] = elements recovered exactly by peeling, counts[1] = elements estimated by the median.
 void peel(const float* sketch, const uint32_t* bitmap, int64_t n, int64_t width, uint64_t seed, float* values,
-          int64_t* counts);
+          int64_t* counts, bool add = false);
+
+// Buckets per row of a sketch `ratio` times smaller than n fp32 values (n / ratio buckets in all),
+// at least 1: TAGC's compression level, as jaxodc.ops.sketch.sketch_width computes it.
+inline int64_t sketch_width(int64_t n, double ratio) {
+  const double w = static_cast<double>(n) / (kRows * ratio);
+  const int64_t up = static_cast<int64_t>(w) + (static_cast<double>(static_cast<int64_t>(w)) < w ? 1 : 0);
+  return up < 1 ? 1 : up;
+}
 
 }  // namespace jaxodc::sketch

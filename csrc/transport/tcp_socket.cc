@@ -1,4 +1,5 @@
 #include "transport/tcp_socket.h"
+#include "transport/link_shaper.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -236,6 +237,25 @@ void send_within(int fd, const void* buf, size_t n, double timeout_s, const std:
     send_all(fd, buf, n, now_seconds() + timeout_s, nullptr, what);
   } catch (const TcpError& e) {
     rethrow_as_jaxodc(e, timeout_s, "sending to", what);
+  }
+}
+
+void send_shaped(int fd, const void* buf, size_t n, Link& link, double timeout_s, const std::string& what) {
+  const double deadline = now_seconds() + timeout_s;
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    double wait = 0;
+    const size_t grant = link.take(n, &wait);
+    if (grant == 0) {
+      if (now_seconds() + wait > deadline)
+        throw TimeoutError("timed out after " + std::to_string(timeout_s) + " s sending to " + what +
+                           " through the emulated link");
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+      continue;
+    }
+    send_within(fd, p, grant, std::max(deadline - now_seconds(), 0.001), what);
+    p += grant;
+    n -= grant;
   }
 }
 

@@ -45,6 +45,22 @@ class LayoutMismatchError(OdcError):
     """Ranks registered different unit layouts."""
 
 
+@dataclass(frozen=True)
+class Link:
+    """An emulated network for the tcp transport (a benchmark knob: two ranks on one host then
+    behave like two hosts on a slower link). Every connection and direction is capped at `mbps`
+    megabits/s (0: uncapped) by a token bucket, and every message arrives `ms` milliseconds after
+    it was sent. The same emulation as the communicator's `set_link` (csrc/transport/link_shaper.h).
+    Ranks reached over shm are unaffected: use transport="tcp"."""
+
+    mbps: float = 0.0
+    ms: float = 0.0
+
+    def __post_init__(self):
+        if self.mbps < 0 or self.ms < 0:
+            raise ValueError(f"Link(mbps={self.mbps}, ms={self.ms}): both must be >= 0")
+
+
 def host_identity() -> str:
     """Same string on two processes iff they can share POSIX memory (same host, same boot)."""
     try:
@@ -199,11 +215,13 @@ class Runtime:
       device: "auto", None (host memory only) or a CUDA ordinal for the server memory.
       slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller slots
         save server memory, pushes then travel in chunks. Every rank must pass the same.
+      link: an emulated slower network for the tcp transport (`Link`), None for none.
     """
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
-                 listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0):
+                 listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0,
+                 link: Link | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
@@ -211,6 +229,9 @@ class Runtime:
         self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host,
                                      int(slot_elems))
         try:
+            if link is not None:  # before the peer exchange: peers connect once they know our address
+                self._native.set_link(link.mbps * 1e6 / 8, link.ms / 1e3)
+            self.link = link
             if ordinal is not None:
                 # Before the peer exchange: peers read the device block's IPC handle at connect.
                 self._native.enable_device(ordinal)
@@ -325,6 +346,33 @@ class Runtime:
             self._native.scatter_accumulate(unit, version, flat)
         else:
             self._native.scatter_accumulate_range(unit, version, int(offset), flat)
+
+    def add_range(self, unit: int, offset: int, size: int, *, fraction: float, ratio: float, seed: int = 0,
+                  compress: bool = True) -> None:
+        """TAGC: pushes of elements [offset, offset + size) of `unit` to other ranks travel as an
+        index bitmap + count sketch (csrc/odc/compress.h); this rank's own slice stays dense. Call
+        before the first push; ranges of a unit must not overlap.
+
+        Args:
+          unit, offset, size: the range of the unit's flat vector (e.g. one parameter).
+          fraction: kept fraction per pushed chunk, in (0, 1] (exact top-|g| with error feedback).
+          ratio: dense fp32 bytes / sketch bytes, > 1.
+          seed: the sketch's hash seed.
+          compress: False: the range travels dense and is only counted (`traffic`'s range fields).
+        """
+        self._native.add_range(int(unit), int(offset), int(size), float(fraction), float(ratio), int(seed),
+                               bool(compress))
+
+    def traffic(self, unit: int) -> dict:
+        """This rank's gradient traffic of `unit` so far: `wire_bytes` pushed to other ranks,
+        `range_bytes` / `range_elems` / `kept_elems` of the registered ranges among them, and as
+        the owner, elements decoded exactly (`peeled`) or by the median estimate (`estimated`)."""
+        return self._native.traffic(int(unit))
+
+    def residual(self, unit: int, offset: int) -> np.ndarray:
+        """A copy of the error-feedback residual of the compressed range of `unit` starting at
+        `offset`: what this rank's pushes of it have not delivered yet."""
+        return self._native.residual(int(unit), int(offset))
 
     def done(self, version: int) -> None:
         """Tells every owner this rank pushed its last gradient of minibatch `version`."""

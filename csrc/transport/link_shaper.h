@@ -1,14 +1,17 @@
 // Userspace link emulation (a test and benchmark aid): a token bucket caps the bytes/s sent to one
-// peer, and pieces are held back by a latency. Endpoint::set_link configures one per peer.
+// peer, and pieces are held back by a latency. The ring (Endpoint::set_link, one per peer) and
+// ODC's tcp transport (Runtime::set_link, one per connection and direction) share it.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
+#include <string>
+#include <thread>
 
 #include "common/sync.h"
 
-namespace jaxodc::ring {
+namespace jaxodc::tcp {
 
 // Per-link emulation: a token bucket caps the bytes/s sent to one peer over all connections, and
 // every piece is held back `latency` seconds after it became ready to send.
@@ -19,6 +22,14 @@ struct Link {
   double tokens = 0, last = 0;
 
   double burst() const { return std::max(65536.0, rate * 0.005); }
+  // bw: bytes/s (<= 0: uncapped); latency_s: added to every piece (<= 0: none).
+  void set(double bw, double latency_s) {
+    std::lock_guard<std::mutex> g(mu);
+    rate = bw > 0 ? bw : 0;
+    latency = latency_s > 0 ? latency_s : 0;
+    tokens = rate > 0 ? burst() : 0;
+    last = now_seconds();
+  }
   // Grants up to `want` bytes now (0 and a wait in seconds when the bucket is too low). Grants
   // come in steps of >= 2 ms of traffic (64 KiB at least), so a capped sender wakes a few hundred
   // times a second instead of once per 16 KiB; the 5 ms burst absorbs a late wake-up, so the cap
@@ -48,4 +59,16 @@ struct Link {
   }
 };
 
-}  // namespace jaxodc::ring
+// Sends n bytes through `link` (blocking: grants as the bucket allows), within timeout_s overall.
+void send_shaped(int fd, const void* buf, size_t n, Link& link, double timeout_s, const std::string& what);
+
+// Holds a received message until it would have arrived over the emulated link: `latency` after its
+// last byte left, which at `rate` bytes/s (0: uncapped) is no earlier than `sent_at + bytes / rate`
+// (sent_at: now_seconds() when its sender started it; one clock for all processes of a host).
+inline void arrive_after(double sent_at, double bytes, double rate, double latency) {
+  if (latency <= 0) return;
+  const double wait = sent_at + (rate > 0 ? bytes / rate : 0.0) + latency - now_seconds();
+  if (wait > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+}
+
+}  // namespace jaxodc::tcp
