@@ -194,6 +194,103 @@ def test_exchange_layout_and_wire_bytes():
         unit_exchange(_spec("u", 2, 100), _plan("u", ((95, 10),), 0.5, 2.0, 0))
 
 
+# ---------------------------------------------------------------------------------------------
+# CollectiveTrainer(compress=...) on 2 processes.
+
+TW, SIZES, STEPS, MBS = 2, (7, 40, 19, 5), 3, 2
+
+
+def _kernels(path, shape):
+    """Every matrix but layer_2's: a unit with no compressed piece, and units whose bias stays dense."""
+    return len(shape) >= 2 and not path.startswith("layer_2/")
+
+
+def _microbatch(step, rank, j):
+    rng = np.random.default_rng([step, rank, j])
+    return {"x": rng.normal(size=(4, SIZES[0])).astype(np.float32),
+            "y": rng.integers(0, SIZES[-1], 4).astype(np.int32), "mask": np.ones(4, np.float32)}
+
+
+def trainer_body(ctx):
+    from jaxodc.launch.context import init_jax_distributed
+    init_jax_distributed(ctx)
+    import dataclasses
+    import jax
+    import optax
+    from jaxodc.compress.policy import Compression
+    from jaxodc.models.mlp import MLP
+    from jaxodc.train.collective import CollectiveTrainer
+    from jaxodc.train.units import make_layout
+    model = MLP(SIZES)
+    params = model.init(jax.random.PRNGKey(0))
+    layout = make_layout(params, TW, order=model.unit_names)
+
+    def run(compress):
+        tr = CollectiveTrainer(model, optax.sgd(0.1), params, compress=compress)
+        steps = []
+        for s in range(STEPS):
+            res = tr.train_minibatch([_microbatch(s, ctx.rank, j) for j in range(MBS)], 4.0 * TW * MBS)
+            steps.append((res.loss, res.wire_bytes, res.wire_bytes_selected, res.peeled, res.estimated))
+        local = tr.local_shards()
+        full = [np.frombuffer(b, np.float32) for b in tr.allgather_bytes(
+            np.concatenate([local[n] for n in layout.names]).tobytes())]
+        return {"shards": local, "full": np.concatenate(full), "steps": steps,
+                "wire": {n: tuple(w) for n, w in tr.gradient_wire.items()},
+                "mine": {n: ex.counts[ctx.rank] for n, ex in tr.exchanges.items()}}
+
+    # fraction 1 and a sketch wide enough to peel everything (wider than Compression allows: ratio < 1)
+    exact = dataclasses.replace(Compression(fraction=1.0, ratio=2.0, select=_kernels).plan(layout), ratio=0.25)
+    out = {"plain": run(None), "exact": run(exact), "default": run(Compression(select=_kernels).plan(layout))}
+    frac = Compression(fraction=0.05 if ctx.rank == 0 else 0.1, select=_kernels).plan(layout)
+    out["mismatch"] = error_text(lambda: CollectiveTrainer(model, optax.sgd(0.1), params, compress=frac))
+    out["one_sided"] = error_text(lambda: CollectiveTrainer(model, optax.sgd(0.1), params,
+                                                            compress=exact if ctx.rank == 0 else None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_ranks(trainer_body, TW, timeout_s=180)
+
+
+def test_trainer_fraction_one_equals_uncompressed(trained):
+    for r, out in enumerate(trained):
+        plain, exact = out["plain"], out["exact"]
+        for n, a in plain["shards"].items():
+            np.testing.assert_allclose(exact["shards"][n], a, rtol=1e-5, atol=1e-6, err_msg=f"rank {r} unit {n}")
+        np.testing.assert_allclose([s[0] for s in exact["steps"]], [s[0] for s in plain["steps"]], rtol=1e-5)
+        assert set(exact["mine"]) == {"layer_0", "layer_1"}  # layer_2: no compressed piece
+        for loss, wire, selected, peeled, estimated in exact["steps"]:
+            assert (peeled, estimated) == (MBS * sum(exact["mine"].values()), 0)  # every element peeled
+            assert wire == MBS * sum(c + d for c, d, _ in exact["wire"].values())
+            assert selected == MBS * sum(c for c, _, _ in exact["wire"].values())
+        # uncompressed: dense bytes of every unit, nothing compressed or decoded
+        assert all(s[1] == MBS * sum(d for _, d, _ in plain["wire"].values()) and s[2:] == (None,) * 3
+                   for s in plain["steps"])
+        assert plain["wire"]["layer_2"] == exact["wire"]["layer_2"]
+
+
+def test_trainer_default_setting(trained):
+    fulls = [out["default"]["full"] for out in trained]
+    np.testing.assert_array_equal(fulls[0], fulls[1])  # every rank holds the same parameters
+    assert [s[0] for s in trained[0]["default"]["steps"]] == [s[0] for s in trained[1]["default"]["steps"]]
+    plain = trained[0]["plain"]["full"]
+    assert np.isfinite(fulls[0]).all() and not np.array_equal(fulls[0], plain)  # compression took effect
+    for out in trained:
+        d = out["default"]
+        wire = {n: w for n, w in d["wire"].items()}
+        assert sum(c for c, _, _ in wire.values()) < 0.6 * sum(s for _, _, s in wire.values())
+        for _, total, selected, peeled, estimated in d["steps"]:
+            assert total < out["plain"]["steps"][0][1] and selected > 0 and peeled + estimated > 0
+
+
+def test_trainer_refuses_mismatched_compression(trained):
+    for r, out in enumerate(trained):
+        assert out["mismatch"].startswith("ConfigMismatchError"), out["mismatch"]
+        assert "ranks disagree on the compression setting: fraction (rank 0: 0.05, rank 1: 0.1)" in out["mismatch"]
+        assert "compression (rank 0: 'on', rank 1: 'off')" in out["one_sided"], out["one_sided"]
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "rs":
         _rs_worker(sys.argv[2])
