@@ -14,6 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxodc.balance.packing import pack
 from jaxodc.balance.plan import Plan
+from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_reduce_scatter, dense_wire_bytes,
+                                        unit_exchange)
+from jaxodc.compress.policy import CompressionPlan
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, microbatches_for,
                                optimizer_step, plan_global_tokens)
 from jaxodc.train.units import make_layout, shard_params
@@ -21,8 +24,30 @@ from jaxodc.train.units import make_layout, shard_params
 AXIS = "d"
 
 
-def collective_gather(axis: str = AXIS) -> GatherFn:
-    """all_gather forward, psum_scatter backward: the gradient of the local shard is the sum over ranks."""
+# Decode counts of a compressed unit leave its backward pass as the "cotangent" of a float32 [2, 2]
+# input the loss never reads (custom_vjp outputs are the only way out of a backward pass), in base
+# 4096 digits: (peeled, estimated) x (count >> 12, count & 4095), exact as floats for any count below
+# 2^31, and still exact if jax ever summed two such cotangents.
+_DIGIT = 12
+
+
+def _counts_to_carrier(counts: jax.Array) -> jax.Array:
+    return jnp.stack([counts >> _DIGIT, counts & ((1 << _DIGIT) - 1)], axis=-1).astype(jnp.float32)
+
+
+def _carrier_to_counts(carrier: jax.Array) -> jax.Array:
+    digits = jnp.round(carrier).astype(jnp.int32)
+    return (digits[..., 0] << _DIGIT) + digits[..., 1]
+
+
+def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None) -> GatherFn:
+    """all_gather forward, psum_scatter backward: the gradient of the local shard is the sum over ranks.
+
+    Units named in `exchanges` travel compressed in the backward pass (compress.collective). Their
+    `shard` argument is the triple (shard, residual, carrier): the cotangent returned for the
+    residual is this rank's next residual (it replaces the old one, never adds to it) and the one for
+    the carrier float32 [2, 2] holds the owner's peeled and estimated counts (`_carrier_to_counts`).
+    """
 
     @jax.custom_vjp
     def gather(shard):
@@ -35,17 +60,42 @@ def collective_gather(axis: str = AXIS) -> GatherFn:
         return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True),)
 
     gather.defvjp(fwd, bwd)
-    return lambda shard, spec, ctx: gather(shard)
+
+    def compressed(ex: UnitExchange):
+        @jax.custom_vjp
+        def cgather(shard, residual, carrier):
+            return jax.lax.all_gather(shard, axis, tiled=True)
+
+        def cfwd(shard, residual, carrier):
+            return cgather(shard, residual, carrier), residual
+
+        def cbwd(residual, ct):
+            grad, residual, counts = compressed_reduce_scatter(ct, residual, ex, axis)
+            return grad, residual, _counts_to_carrier(counts)
+
+        cgather.defvjp(cfwd, cbwd)
+        return cgather
+
+    special = {name: compressed(ex) for name, ex in (exchanges or {}).items()}
+    return lambda shard, spec, ctx: special[spec.name](*shard) if spec.name in special else gather(shard)
 
 
 class CollectiveTrainer(ShardedTrainer):
     """comm="collective": one jitted shard_map step per microbatch over a 1-D mesh of all
     processes' devices (one device per process), all_gather / psum_scatter per unit; every rank
-    must run the same number of microbatches per minibatch (checked, clear error)."""
+    must run the same number of microbatches per minibatch (checked, clear error).
+
+    `compress`: a CompressionPlan (`Compression(...).plan(trainer.layout)`, or of `make_layout(params,
+    world, order=model.unit_names)`) to exchange its pieces TAGC-compressed (compress.collective),
+    every rank the same (checked). Each rank then keeps an error-feedback residual per compressed
+    unit (not checkpointed: restoring starts from zero residuals). StepResult.wire_bytes and, with
+    compression, wire_bytes_selected / peeled / estimated report each minibatch's exchange;
+    `gradient_wire` holds the per-unit, per-microbatch bytes they are counted from."""
 
     comm = "collective"
 
-    def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True):
+    def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
+                 compress: CompressionPlan | None = None):
         if jax.local_device_count() != 1:
             raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
         self.model, self.optimizer = model, optimizer
@@ -61,6 +111,12 @@ class CollectiveTrainer(ShardedTrainer):
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
         if check:
             self.check_same({"layout fingerprint": self.layout.fingerprint()}, "parameter layout")
+            self.check_same({"compression": "on" if compress else "off", **(compress.describe() if compress else {})},
+                            "compression setting")
+        self.compress = compress
+        self.exchanges = exchanges = self._exchanges(compress)  # unit name -> its static compressed exchange
+        self.gradient_wire = {n: exchanges[n].wire if n in exchanges else
+                              WireBytes(0, dense_wire_bytes(self.layout[n]), 0) for n in names}
 
         local = shard_params(self.layout, params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
@@ -69,19 +125,41 @@ class CollectiveTrainer(ShardedTrainer):
                                              jax.eval_shape(optimizer.init, shapes))
         self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
 
-        grad_fn = microbatch_grad(model, self.layout, collective_gather(AXIS))
+        self.residuals = self._zero_residuals()
+        grad_fn = microbatch_grad(model, self.layout, collective_gather(AXIS, exchanges))
+        no_counts = jnp.zeros((2, 2), jnp.float32)
 
-        def mb_step(shards, acc, batch, ntok):
-            loss, g = grad_fn(shards, batch, ntok, None)
-            return jax.tree_util.tree_map(jnp.add, acc, g), jax.lax.psum(loss, AXIS)
+        def mb_step(shards, residuals, acc, counts, batch, ntok):
+            """counts: int32 [2] (peeled, estimated) of my slices so far this minibatch."""
+            params = {n: (s, residuals[n], no_counts) if n in residuals else s for n, s in shards.items()}
+            loss, g = grad_fn(params, batch, ntok, None)
+            grads = {n: g[n][0] if n in residuals else g[n] for n in shards}
+            for n in residuals:
+                counts = counts + _carrier_to_counts(g[n][2])
+            return (jax.tree_util.tree_map(jnp.add, acc, grads), {n: g[n][1] for n in residuals}, counts,
+                    jax.lax.psum(loss, AXIS))
 
         def opt_step(shards, state, acc):
             return optimizer_step(optimizer, shards, state, acc, lambda x: jax.lax.psum(x, AXIS))
 
-        self._mb_step = jax.jit(smap(mb_step, (spec_sh, spec_sh, P(AXIS), P()), (spec_sh, P())), donate_argnums=(1,))
+        res_sh = {n: P(AXIS) for n in self.residuals}
+        self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), P(AXIS), P()),
+                                     (spec_sh, res_sh, P(AXIS), P())), donate_argnums=(1, 2, 3))
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
         self.version = 0
+
+    def _exchanges(self, plan: CompressionPlan | None) -> dict[str, UnitExchange]:
+        if plan is None:
+            return {}
+        unknown = sorted(set(plan.pieces) - set(self.layout.names))
+        if unknown:
+            raise ValueError(f"rank {self.rank}: the compression plan names units {unknown} that the model's "
+                             f"layout lacks (units: {list(self.layout.names)}); plan it on this layout")
+        return {n: unit_exchange(self.layout[n], plan) for n in self.layout.names if plan.selected(n)}
+
+    def _zero_residuals(self) -> dict[str, jax.Array]:
+        return {n: self._global(np.zeros(ex.residual_size, np.float32)) for n, ex in self.exchanges.items()}
 
     def _global(self, local: np.ndarray) -> jax.Array:
         local = np.asarray(local)
@@ -116,13 +194,18 @@ class CollectiveTrainer(ShardedTrainer):
         res, cpu0 = StepResult(self.version, 0.0, time.perf_counter(), 0.0), time.process_time()
         ntok = jnp.float32(global_tokens)
         acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+        counts = self._global(np.zeros(2, np.int32))
         loss = 0.0
         for mb in mbs:
             t0 = time.perf_counter()
             batch = {k: self._global(np.asarray(v)) for k, v in mb.items()}
-            acc, l = self._mb_step(self.shards, acc, batch, ntok)
+            acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, batch, ntok)
             loss += float(l)  # blocks: the interval covers this microbatch only
             res.microbatches.append((t0, time.perf_counter()))
+        res.wire_bytes = len(mbs) * sum(w.total for w in self.gradient_wire.values())
+        if self.compress is not None:
+            res.wire_bytes_selected = len(mbs) * sum(w.compressed for w in self.gradient_wire.values())
+            res.peeled, res.estimated = (int(c) for c in np.asarray(counts.addressable_data(0)))
         t0 = time.perf_counter()
         self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
@@ -138,11 +221,13 @@ class CollectiveTrainer(ShardedTrainer):
         lengths (it runs collectives)."""
         ntok = jnp.float32(1.0)
         zeros = lambda: {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
         for T in row_lengths:
             batch = {k: self._global(v) for k, v in pack([], int(T)).as_dict().items()}
-            jax.block_until_ready(self._mb_step(self.shards, zeros(), batch, ntok))
+            # residuals on copies: a padding microbatch still sends part of them
+            jax.block_until_ready(self._mb_step(self.shards, copy(self.residuals), zeros(),
+                                                self._global(np.zeros(2, np.int32)), batch, ntok))
         # the optimizer step too, on copies (it donates its inputs)
-        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
         jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
 
     def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
@@ -171,3 +256,4 @@ class CollectiveTrainer(ShardedTrainer):
             lambda cur, x: jax.make_array_from_process_local_data(cur.sharding, np.asarray(x, cur.dtype), cur.shape),
             self.opt_state, opt_state)
         self.version = int(version)
+        self.residuals = self._zero_residuals()

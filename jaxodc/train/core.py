@@ -140,6 +140,13 @@ class StepResult:
     # Process CPU seconds from t_start to t_end (every thread: compute, the ODC daemon's
     # accumulation, transports): with one core per rank, wall - cpu is the time it sat blocked.
     cpu: float = 0.0
+    # Gradient exchange, where the trainer counts it (None otherwise): bytes this rank sent for the
+    # units' gradients (compressed + dense); with TAGC compression, of those the compressed pieces'
+    # (bitmaps + sketches), and the elements of this rank's shards decoded by peeling / estimated.
+    wire_bytes: int | None = None
+    wire_bytes_selected: int | None = None
+    peeled: int | None = None
+    estimated: int | None = None
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,
