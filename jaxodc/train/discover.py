@@ -28,7 +28,7 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,9 @@ import numpy as np
 
 from jaxodc.train.units import Layout, UnitSpec, _path_str, flatten_unit
 
-Pattern = "str | re.Pattern"
-UnitsPolicy = "Mapping[str, Pattern | Sequence[Pattern]] | Sequence[Pattern] | Callable[[str, Any], str | None] | None"
+# units= override: {unit name: pattern or patterns} | [pattern, ...] | callable(path, leaf) -> unit name,
+# a pattern being a glob string, "re:<regex>" or a compiled re.Pattern.
+UnitsPolicy = Any
 
 DEFAULT_MAX_UNIT_BYTES = 64 << 20  # fp32 bytes of one grouped unit (repeated / stacked layers are never split)
 _REPEATED = re.compile(r"^(.*?)_?(\d+)$")
@@ -65,7 +66,7 @@ class ParamPlan:
     treedef: Any
     places: tuple[LeafPlace, ...]
     shapes: tuple[tuple[int, ...], ...]  # every leaf's full shape, tree order
-    dtypes: tuple[str, ...]
+    dtypes: tuple[Any, ...]              # every leaf's dtype (numpy or jax extended, e.g. PRNG keys)
 
     @property
     def const_paths(self) -> tuple[str, ...]:
@@ -98,8 +99,8 @@ def _leaves(params):
     return [(p, _path_str(p), x) for p, x in flat], treedef
 
 
-def _dtype(x) -> np.dtype:
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # jax key dtypes are not numpy dtypes
 
 
 def _trainable(x) -> bool:
@@ -270,7 +271,7 @@ def discover_units(params, world: int, *, units: UnitsPolicy = None,
                                tuple(str(_dtype(entries[i][2])) for i in ms), world, align))
     return ParamPlan(Layout(tuple(specs), world), treedef, tuple(places),
                      tuple(tuple(int(d) for d in np.shape(x)) for _, _, x in entries),
-                     tuple(str(_dtype(x)) for _, _, x in entries))
+                     tuple(_dtype(x) for _, _, x in entries))
 
 
 def _spec(name, index, paths, shapes, dtypes, world, align) -> UnitSpec:
@@ -337,4 +338,6 @@ def unshard_tree(plan: ParamPlan, shards: Sequence[Mapping[str, np.ndarray]], co
     for u in plan.layout.units:
         flat = np.concatenate([np.asarray(s[u.name]) for s in shards])
         units[u.name] = tuple(np.asarray(x) for x in unflatten_unit(u, jnp.asarray(flat)))
-    return jax.tree_util.tree_map(np.asarray, assemble(plan, units, consts))
+    leaves = jax.tree_util.tree_leaves(assemble(plan, units, consts))
+    return jax.tree_util.tree_unflatten(plan.treedef, [x if p.kind == "const" else np.asarray(x)
+                                                       for p, x in zip(plan.places, leaves)])

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxodc.train.core import GatherFn, remat_stage
-from jaxodc.train.discover import ParamPlan, _leaves, _trainable, discover_units
+from jaxodc.train.discover import ParamPlan, _trainable, discover_units
 from jaxodc.train.units import unflatten_unit
 
 # Call-like primitives whose body is spliced into the op list: a scan over stacked layers, or a
@@ -264,7 +264,7 @@ class _Program:
 
 
 def _trace(loss_fn, plan: ParamPlan, batch_avals, batch_tree, detect: dict | None = None) -> _Program:
-    avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in zip(plan.shapes, plan.dtypes)]
+    avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
 
     def flat_loss(leaves, batch_leaves):
         params = jax.tree_util.tree_unflatten(plan.treedef, leaves)
@@ -328,12 +328,15 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
     cache: dict = {}
     specs = {u.name: u for u in plan.layout.units}
 
-    def fn(shards, consts, batch, gather_arg=None):
-        batch_leaves, batch_tree = jax.tree_util.tree_flatten(batch)
-        sig = (batch_tree, tuple((tuple(np.shape(x)), jnp.result_type(x)) for x in batch_leaves))
+    def program(batch_leaves, batch_tree) -> _Program:
+        sig = (batch_tree, tuple((tuple(np.shape(x)), jax.typeof(x).dtype) for x in batch_leaves))
         if sig not in cache:
             cache[sig] = _trace(loss_fn, plan, [jax.ShapeDtypeStruct(s, d) for s, d in sig[1]], batch_tree)
-        prog = cache[sig]
+        return cache[sig]
+
+    def fn(shards, consts, batch, gather_arg=None):
+        batch_leaves, batch_tree = jax.tree_util.tree_flatten(batch)
+        prog = program(batch_leaves, batch_tree)
         env = dict(zip(prog.in_keys, list(consts) + batch_leaves))
         _run_ops(prog.prologue, env)
         for st in prog.stages:
@@ -349,5 +352,9 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
         read = _run_ops([], env)
         return jax.tree_util.tree_unflatten(prog.out_tree, [read(k) for k in prog.out_keys])
 
-    fn.plan = plan
+    def stage_units(batch) -> list[tuple[str, ...]]:
+        """The units each stage gathers, in forward order (for a batch of this signature)."""
+        return [tuple(st.units) for st in program(*jax.tree_util.tree_flatten(batch)).stages]
+
+    fn.plan, fn.stage_units = plan, stage_units
     return fn
