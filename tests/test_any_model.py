@@ -18,7 +18,7 @@ import pytest
 
 from jaxodc.train.adapters import frozen_collections, linen_loss_fn, nnx_loss_fn
 from jaxodc.train.discover import const_leaves, discover_units, shard_tree, unshard_tree, unit_leaves, assemble
-from jaxodc.train.gather_on_use import gather_on_use, plan_for, scanned_axes
+from jaxodc.train.gather_on_use import gather_on_use, microbatch_grad_any, plan_for, scanned_axes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,6 +193,13 @@ def test_plain_loss_scan_cond_custom_vjp_frozen_int_leaf():
     staged = check_against_reference(plain_loss, p, batch, plan)
     stages = staged.stage_units(batch)
     assert stages[1:6] == [(f"stack[{l}]",) for l in range(5)]  # each layer gathered on its own
+    # the trainer's form: divided by the global token count
+    loss, grads = microbatch_grad_any(plain_loss, plan, identity_gather)(shard_tree(plan, p, 0), const_leaves(plan, p),
+                                                                         batch, 4.0, None)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p, b: plain_loss(p, b) / 4.0, allow_int=True)(p, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(unshard_tree(plan, [grads], const_leaves(plan, p))["l0"]["w"], ref_grads["l0"]["w"],
+                               rtol=1e-5, atol=1e-6)
     # the frozen base as a stop_gradient-ed trained unit instead: its gradient is exactly zero
     plan = plan_for(plain_loss, p, batch, 1)
     check_against_reference(plain_loss, p, batch, plan)

@@ -358,3 +358,16 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
 
     fn.plan, fn.stage_units = plan, stage_units
     return fn
+
+
+def microbatch_grad_any(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, has_aux: bool = False) -> Callable:
+    """core.microbatch_grad for any loss_fn: fn(shards, consts, batch, global_tokens, gather_arg) ->
+    (loss / global_tokens, grads w.r.t. the local shards), or ((loss, aux), grads) with has_aux.
+    `loss_fn` returns the microbatch's *sum* of per-token losses (jaxodc's loss contract)."""
+    staged = gather_on_use(loss_fn, plan, gather)
+
+    def loss(shards, consts, batch, global_tokens, gather_arg):
+        out = staged(shards, consts, batch, gather_arg)
+        return (out[0] / global_tokens, out[1]) if has_aux else out / global_tokens
+
+    return jax.value_and_grad(loss, has_aux=has_aux)
