@@ -103,7 +103,7 @@ def model_exchange(world):
                                 nbytes = 4 * bits.size + 12 * width
                                 t.update(wire_bytes=t["wire_bytes"] + nbytes, range_bytes=t["range_bytes"] + nbytes,
                                          range_elems=t["range_elems"] + y - x,
-                                         kept_elems=t["kept_elems"] + math.ceil(f * (y - x)))
+                                         kept_elems=t["kept_elems"] + int(ref.unpack_bits(bits, y - x).sum()))
                                 traffic[d][u]["peeled"] += peeled
                                 traffic[d][u]["estimated"] += est
     return acc, residual, traffic

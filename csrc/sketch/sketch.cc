@@ -43,9 +43,13 @@ int64_t sparsify(const void* grad, bool grad_bf16, const float* residual, int64_
     if (hist_bin(key) == bin) candidates.push_back(key);
   }
   const uint64_t threshold = kth_key(candidates, k - above - 1);  // exactly k keys are >= it
+  int64_t kept_n = 0;
   for (int64_t i = 0; i < n; ++i)
-    if (apply_threshold(kept[i], i, threshold, kept, residual_out)) bitmap[i >> 5] |= 1u << (i & 31);
-  return k;
+    if (apply_threshold(kept[i], i, threshold, kept, residual_out)) {
+      bitmap[i >> 5] |= 1u << (i & 31);
+      ++kept_n;
+    }
+  return kept_n;
 }
 
 void build(const float* values, const uint32_t* bitmap, int64_t n, int64_t width, uint64_t seed, float* sketch) {

@@ -83,9 +83,11 @@ JAXODC_HD uint64_t rank_key(float value, int64_t index) {
 constexpr int kHistBins = 1 << 16;
 JAXODC_HD int64_t hist_bin(uint64_t key) { return static_cast<int64_t>(key >> 47); }
 
-// Element i once the threshold key is known: kept (true) or carried over in the residual.
+// Element i once the threshold key is known: kept (true) or carried over in the residual. An exact
+// zero is never kept: it carries nothing, and in the bitmap it would only load the sketch (an
+// untouched embedding row, say).
 JAXODC_HD bool apply_threshold(float acc, int64_t i, uint64_t threshold, float* kept, float* residual_out) {
-  const bool keep = rank_key(acc, i) >= threshold;
+  const bool keep = acc != 0.0f && rank_key(acc, i) >= threshold;
   kept[i] = keep ? acc : 0.0f;
   residual_out[i] = keep ? 0.0f : acc;
   return keep;
@@ -113,9 +115,10 @@ uint64_t kth_key(std::vector<uint64_t>& candidates, int64_t rank);
 
 // CPU kernels (sketch.cc).
 
-// acc = grad + residual; keep the k = ceil(fraction * n) largest |acc| (ties: lower index first):
-// kept = acc there and 0 elsewhere, residual_out = acc - kept, bitmap = the kept positions.
-// `grad` is fp32 or bf16 (`grad_bf16`); residual and outputs are fp32. Returns k.
+// acc = grad + residual; keep the k = ceil(fraction * n) largest |acc| (ties: lower index first;
+// exact zeros never): kept = acc there and 0 elsewhere, residual_out = acc - kept, bitmap = the
+// kept positions. `grad` is fp32 or bf16 (`grad_bf16`); residual and outputs are fp32 (residual
+// may be residual_out). Returns the number kept (k, less any zeros among the k largest).
 int64_t sparsify(const void* grad, bool grad_bf16, const float* residual, int64_t n, double fraction, float* kept,
                  float* residual_out, uint32_t* bitmap);
 

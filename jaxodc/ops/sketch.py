@@ -52,7 +52,8 @@ def sketch_sparsify(grad, residual, *, fraction: float):
     Args:
       grad: flat float32 or bfloat16 gradient (n elements).
       residual: flat float32, what earlier calls did not send (zeros at first).
-      fraction: in (0, 1]; k = ceil(fraction * n) elements are kept (at least one).
+      fraction: in (0, 1]; the k = ceil(fraction * n) largest are kept (at least one), except
+        exact zeros, which carry nothing and would only load the sketch.
 
     Returns:
       ``(kept, residual, bitmap)``: kept float32 [n] (grad + residual where kept, else 0), the next

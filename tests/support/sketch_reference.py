@@ -54,6 +54,7 @@ def sparsify(grad: np.ndarray, residual: np.ndarray, fraction: float):
     order = np.lexsort((np.arange(n), -np.abs(acc)))  # |acc| descending, then index ascending
     mask = np.zeros(n, bool)
     mask[order[:k]] = True
+    mask &= acc != 0  # exact zeros are never kept
     kept = np.where(mask, acc, np.float32(0))
     return kept, np.where(mask, np.float32(0), acc), pack_bits(mask)
 
