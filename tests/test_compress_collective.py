@@ -75,7 +75,7 @@ def _rs_worker(out):
             s, r, k = f(jnp.asarray(c), r)
             shards.append(np.asarray(s).reshape(world, -1))
             residuals.append(np.asarray(r).reshape(world, -1))
-            counts.append(np.asarray(k).reshape(world, 2))
+            counts.append(np.asarray(k).reshape(world, 3))
         saved.update({f"{name}/shards": np.stack(shards), f"{name}/residuals": np.stack(residuals),
                       f"{name}/counts": np.stack(counts)})
     # OR: 3 ranks, each with a random bitmap row per owner (rank, owner, words)
@@ -120,7 +120,7 @@ def _reference(case, cts, res0):
     for ct in cts:
         slices = ct.reshape(world, world, -1)  # [sender, owner, position]
         shards = slices.sum(axis=0, dtype=np.float32)
-        new_res, counts = np.zeros_like(res), np.zeros((world, 2), np.int64)
+        new_res, counts = np.zeros_like(res), np.zeros((world, 3), np.int64)
         for d in range(world):
             if not n[d]:
                 continue
@@ -128,10 +128,11 @@ def _reference(case, cts, res0):
             for r in range(world):
                 kept, rest, bm = ref.sparsify(slices[r, d][mask[d]], res[r, offs[d]:offs[d + 1]], fraction)
                 new_res[r, offs[d]:offs[d + 1]] = rest
+                counts[r, 2] += ref.unpack_bits(bm, n[d]).sum()  # what sender r kept
                 bms.append(np.pad(bm, (0, (N + 31) // 32 - bm.size)))
                 sks.append(ref.build(kept, bm, width, seed))
             index = np.bitwise_or.reduce(np.stack(bms), axis=0)
-            values, counts[d] = ref.peel(np.sum(sks, axis=0, dtype=np.float32), index, N, seed)
+            values, counts[d, :2] = ref.peel(np.sum(sks, axis=0, dtype=np.float32), index, N, seed)
             shards[d][mask[d]] = values[:n[d]]
         res = new_res
         outs.append((shards, res.copy(), counts))
@@ -266,8 +267,9 @@ def test_trainer_fraction_one_equals_uncompressed(trained):
             assert wire == MBS * sum(c + d for c, d, _ in exact["wire"].values())
             assert selected == MBS * sum(c for c, _, _ in exact["wire"].values())
         # uncompressed: dense bytes of every unit, nothing compressed or decoded
-        assert all(s[1] == MBS * sum(d for _, d, _ in plain["wire"].values()) and s[2:] == (None,) * 3
-                   for s in plain["steps"])
+        # selected: what the default setting would compress, sent dense
+        assert all(s[1] == MBS * sum(d for _, d, _ in plain["wire"].values()) and s[3:] == (None,) * 2
+                   and s[2] is not None and 0 <= s[2] < s[1] for s in plain["steps"])
         assert plain["wire"]["layer_2"] == exact["wire"]["layer_2"]
 
 

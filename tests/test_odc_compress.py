@@ -201,7 +201,7 @@ def bad_settings_body(ctx):
     errors = []
     for kwargs in (dict(unit=0, offset=0, size=50, fraction=0.0, ratio=4.0),
                    dict(unit=0, offset=0, size=50, fraction=1.5, ratio=4.0),
-                   dict(unit=0, offset=0, size=50, fraction=0.1, ratio=1.0),
+                   dict(unit=0, offset=0, size=50, fraction=0.1, ratio=0.0),
                    dict(unit=0, offset=90, size=20, fraction=0.1, ratio=4.0),
                    dict(unit=5, offset=0, size=5, fraction=0.1, ratio=4.0)):
         try:
@@ -233,7 +233,7 @@ def test_bad_settings_are_clear_errors():
     errors = run_ranks(bad_settings_body, 2)[0]
     expected = [r"rank 0: compressed range \[0, 50\) of unit 0: fraction must be in \(0, 1\]",
                 r"fraction must be in \(0, 1\], got 1\.5",
-                r"ratio must be > 1 \(dense bytes / sketch bytes\), got 1\.0",
+                r"ratio must be > 0 \(dense bytes / sketch bytes\), got 0\.0",
                 r"range \[90, 110\) of unit 0: outside the unit's 100 elements",
                 r"has no unit 5",
                 r"range \[30, 60\) of unit 0 overlaps the registered range starting at 10",
@@ -243,3 +243,80 @@ def test_bad_settings_are_clear_errors():
     assert len(errors) == len(expected), errors
     for got, pattern in zip(errors, expected):
         assert re.search(pattern, got), (pattern, got)
+
+
+# -- the ODC trainer with compression ------------------------------------------------------------
+
+TRAIN_STEPS, TRAIN_MBS = 3, 2
+
+
+def trainer_body(ctx, transport):
+    import dataclasses
+
+    import jax
+    import optax
+    from jaxodc.compress import Compression
+    from jaxodc.data import synthetic_text
+    from jaxodc.balance.packing import pack
+    from jaxodc.models.lm import LM, LMConfig
+    from jaxodc.odc import Runtime
+    from jaxodc.train.core import ConfigMismatchError
+    from jaxodc.train.odc import OdcTrainer
+    from jaxodc.train.units import make_layout
+
+    model = LM(LMConfig(d_model=64, n_layers=1, n_heads=2))
+    params = model.init(jax.random.PRNGKey(0))
+    layout = make_layout(params, ctx.world, order=model.unit_names)
+    samples = synthetic_text("aime", 64, 24, seed=1)
+    mine = lambda step, j: samples[(step * ctx.world * TRAIN_MBS + ctx.rank * TRAIN_MBS + j) % len(samples)]  # noqa: E731
+    tokens = lambda step: float(sum(pack([samples[(step * ctx.world * TRAIN_MBS + k) % len(samples)]], 32)  # noqa: E731
+                                    .loss_mask.sum() for k in range(ctx.world * TRAIN_MBS)))
+    matrices = lambda path, shape: len(shape) == 2  # noqa: E731  (attention's too)
+
+    def run(plan):
+        rt = Runtime.create([u.padded for u in layout.units], ctx, transport=transport, timeout_s=60.0)
+        tr = OdcTrainer(model, optax.adam(3e-3), params, rt, owns_runtime=True, compress=plan)
+        steps = []
+        for step in range(TRAIN_STEPS):
+            res = tr.train_minibatch([pack([mine(step, j)], 32).as_dict() for j in range(TRAIN_MBS)], tokens(step))
+            steps.append((res.loss, res.wire_bytes, res.wire_bytes_selected, res.kept_fraction, res.peeled,
+                          res.estimated, res.wire_bytes_units))
+        full = {u.name: rt.gather(u.index, tr.version) for u in layout.units}
+        tr.close()
+        return {"full": full, "steps": steps}
+
+    out = {"plain": run(None)}
+    # fraction 1 and a sketch wide enough to peel everything: ratio below what Compression allows
+    exact = dataclasses.replace(Compression(fraction=1.0, ratio=2.0, select=matrices).plan(layout), ratio=0.3)
+    out["exact"] = run(exact)
+    out["lossy"] = run(Compression(fraction=0.1, ratio=8.0).plan(layout))  # the default selection
+    try:
+        run(Compression(fraction=0.05 if ctx.rank == 0 else 0.1, select=matrices).plan(layout))
+        out["mismatch"] = "no error"
+    except ConfigMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_odc_trainer_with_compression(transport):
+    results = run_ranks(trainer_body, 2, args=(transport,), timeout_s=300)
+    for name in ("plain", "exact", "lossy"):  # every rank holds the same parameters
+        for u in results[0][name]["full"]:
+            np.testing.assert_array_equal(results[0][name]["full"][u], results[1][name]["full"][u])
+    for u, plain in results[0]["plain"]["full"].items():  # fraction 1, peeling everything = uncompressed
+        np.testing.assert_allclose(results[0]["exact"]["full"][u], plain, rtol=1e-4, atol=1e-5, err_msg=u)
+    for r, res in enumerate(results):
+        plain_losses = [s[0] for s in res["plain"]["steps"]]
+        np.testing.assert_allclose([s[0] for s in res["exact"]["steps"]], plain_losses, rtol=1e-4)
+        for loss, wire, selected, kept, peeled, estimated, units in res["exact"]["steps"]:
+            assert estimated == 0 and peeled > 0 and 0.5 < kept <= 1  # zeros (unused embedding rows) never kept
+        for (_, dense_wire, dense_sel, kept, *_), (loss, wire, selected, lossy_kept, peeled, est, units) in zip(
+                res["plain"]["steps"], res["lossy"]["steps"]):
+            assert kept is None and 0 < dense_sel < dense_wire  # the default's pieces, counted dense
+            assert sum(units.values()) == wire and np.isfinite(loss)
+            assert 0 < lossy_kept <= 0.1 + 1e-9 and peeled > 0
+            # bitmap (1/32) + sketch (1/8) of the selected pieces' dense bytes, plus rounding up
+            assert selected < 0.2 * dense_sel, (selected, dense_sel)
+            assert wire - selected == dense_wire - dense_sel  # the rest travels as before
+        assert "compression setting" in res["mismatch"] and "fraction" in res["mismatch"], res["mismatch"]

@@ -105,9 +105,10 @@ def test_odc_trainer_matches_reference(balance):
         assert all(0 < c <= wall * os.cpu_count() + 0.05 for c, wall in cpu), cpu
 
     # Owners add microbatch gradients in arrival order, so sums differ from the reference's in the
-    # last bits; Adam's m/sqrt(v) magnifies that for near-zero gradient elements. atol is 5e-4 of
-    # one Adam step (lr = 1e-2), measured worst case 1.4e-6.
+    # last bits; Adam's m/sqrt(v) magnifies that for near-zero gradient elements. atol is 1.5e-3 of
+    # one Adam step (lr = 1e-2); measured worst case 9.0e-6 (it moves with the unit layout, which
+    # decides where the owners' sums are cut: 1.4e-6 before the LM's leaves were renamed).
     layout = make_layout(params, W, order=model.unit_names)
     got = unshard_params(layout, [r[2] for r in results])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(ref.numpy_params())):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1.5e-5, err_msg=jax.tree_util.keystr(path))

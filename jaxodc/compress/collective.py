@@ -20,7 +20,7 @@ so its placement is a `lax.switch` over static slices rather than an index table
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,9 @@ import numpy as np
 
 from jaxodc.compress.policy import CompressionPlan
 from jaxodc.ops.sketch import ROWS, bitmap_words, sketch_build, sketch_peel, sketch_sparsify, sketch_width
-from jaxodc.train.units import UnitSpec
+
+if TYPE_CHECKING:  # the trainers' layouts, only described here: compress sits below train
+    from jaxodc.train.units import UnitSpec
 
 __all__ = ["UnitExchange", "WireBytes", "compressed_reduce_scatter", "dense_wire_bytes", "or_scatter", "unit_exchange"]
 
@@ -165,8 +167,9 @@ def compressed_reduce_scatter(ct: jax.Array, residual: jax.Array, ex: UnitExchan
 
     Returns:
       ``(shard, residual, counts)``: the sum over ranks of my slice, float32 [S] (compressed
-      elements decoded from the summed sketch); this rank's next residual; int32 [2] elements of my
-      slice decoded by peeling and by the median estimate.
+      elements decoded from the summed sketch); this rank's next residual; int32 [3]: elements of my
+      slice decoded by peeling and by the median estimate, and elements this rank kept (sent) of
+      all owner slices.
     """
     W, S, n = ex.world, ex.shard, ex.counts
     if ct.shape != (W * S,):
@@ -176,11 +179,13 @@ def compressed_reduce_scatter(ct: jax.Array, residual: jax.Array, ex: UnitExchan
                          f"({ex.residual_size},)")
     N, M = ex.n_max, ex.dense_max
     dense_rows, bitmaps, sketches, residuals, at = [], [], [], [], 0
+    kept_n = jnp.zeros((), jnp.int32)
     for d in range(W):
         sel, dense = _split(ct[d * S:(d + 1) * S], ex.selected[d], S)
         dense_rows.append(jnp.pad(dense, (0, M - dense.size)))
         if n[d]:
             kept, res, bm = sketch_sparsify(sel, residual[at:at + n[d]], fraction=ex.fraction)
+            kept_n = kept_n + jnp.sum(jax.lax.population_count(bm)).astype(jnp.int32)
             sketches.append(sketch_build(kept, bm, width=ex.width, seed=ex.seed))
             bitmaps.append(jnp.pad(bm, (0, ex.words - bm.size)))
             residuals.append(res)
@@ -191,11 +196,11 @@ def compressed_reduce_scatter(ct: jax.Array, residual: jax.Array, ex: UnitExchan
     dense_sum = (jax.lax.psum_scatter(jnp.stack(dense_rows), axis, scatter_dimension=0, tiled=True)[0]
                  if M else jnp.zeros((0,), ct.dtype)).astype(jnp.float32)
     if not N:
-        return dense_sum, residual, jnp.zeros((2,), jnp.int32)
+        return dense_sum, residual, jnp.zeros((3,), jnp.int32)
     index = or_scatter(jnp.stack(bitmaps), axis)
     sketch = jax.lax.psum_scatter(jnp.stack(sketches), axis, scatter_dimension=0, tiled=True)[0]
     decoded, counts = sketch_peel(sketch, index, n=N, seed=ex.seed)
     shard = jax.lax.switch(jax.lax.axis_index(axis),
                            [lambda v, g, d=d: _merge(v, g, ex.selected[d], S) for d in range(W)],
                            decoded, dense_sum)
-    return shard, jnp.concatenate(residuals), counts
+    return shard, jnp.concatenate(residuals), jnp.concatenate([counts, kept_n[None]])

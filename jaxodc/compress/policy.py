@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from jaxodc.train.units import Layout
+if TYPE_CHECKING:  # the trainers' layouts, only described here: compress sits below train
+    from jaxodc.train.units import Layout
+
 
 # Path components that mark attention parameters (TAGC keeps them dense).
 _ATTENTION = re.compile(r"(^|[/_.])(attn|attention|self_attn|qkv|query|key|value|[qkvo]_proj|w[qkvo])($|[/_.0-9])",
@@ -114,6 +116,20 @@ class Compression:
             raise ValueError(f"compression {self.name!r}: its predicate selects no parameter of the model "
                              f"(parameters: {shown})")
         return CompressionPlan(float(self.fraction), float(self.ratio), int(self.seed), pieces, tuple(paths))
+
+
+def setting_of(plan: CompressionPlan | None) -> dict:
+    """What ranks compare before training (trainers' check_same): compression off, or the plan."""
+    return {"compression": "off"} if plan is None else {"compression": "on", **plan.describe()}
+
+
+def tracking_plan(layout: Layout) -> CompressionPlan | None:
+    """The default setting's plan, for counting in an uncompressed run the bytes that setting would
+    compress (records' `wire_bytes_selected`); None when it selects nothing of this model."""
+    try:
+        return Compression().plan(layout)
+    except ValueError:
+        return None
 
 
 def parse_compression(spec: str | None) -> Compression | None:

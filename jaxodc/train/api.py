@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from jaxodc.balance.cost import CostModel
+from jaxodc.compress.policy import Compression, CompressionPlan, setting_of
 from jaxodc.train.collective import CollectiveTrainer
 from jaxodc.balance.plan import validate_run
 from jaxodc.train.core import ShardedTrainer, check_same, train_loop
@@ -68,24 +69,33 @@ class ShardedStep:
     state): `train_minibatch(microbatches, global_tokens) -> StepResult`, `save`, `restore`, `close`.
     """
 
-    def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc"):
+    def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc",
+                 compress: Compression | None = None):
         validate_run(comm, None)
         if not hasattr(optimizer, "update"):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
-        self.model, self.optimizer, self.comm = model, optimizer, comm
+        if compress is not None and not isinstance(compress, Compression):
+            raise TypeError(f"compress must be a jaxodc.compress.Compression or None, got {type(compress).__name__}")
+        self.model, self.optimizer, self.comm, self.compress = model, optimizer, comm, compress
 
     def layout(self, params, world: int) -> Layout:
         """The unit layout for `world` ranks (params may be arrays or jax.ShapeDtypeStruct)."""
         return make_layout(params, world, order=self.model.unit_names)
 
+    def compression_plan(self, params, world: int) -> CompressionPlan | None:
+        """The compression setting resolved on the layout (None without compression)."""
+        return self.compress.plan(self.layout(params, world)) if self.compress is not None else None
+
     def config(self, params, world: int) -> dict:
-        """What every rank must agree on before training: comm, layout, optimizer-state structure."""
+        """What every rank must agree on before training: comm, layout, optimizer-state structure,
+        compression setting."""
         layout = self.layout(params, world)
         shapes = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
         opt_struct = jax.tree_util.tree_map(lambda s: (tuple(s.shape), str(s.dtype)),
                                             jax.eval_shape(self.optimizer.init, shapes))
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
-                "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct))}
+                "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
+                **setting_of(self.compression_plan(params, world))}
 
     def init(self, params: dict, *, ctx=None, runtime=None, check: bool = True, **runtime_kwargs) -> ShardedTrainer:
         """Shards `params` (every rank passes the same full parameters) and sets up communication.
@@ -109,22 +119,25 @@ class ShardedStep:
                 raise RuntimeError(f"rank {ctx.rank}: comm='collective' needs jax.distributed over the job's "
                                    f"{ctx.world} processes (jax sees {jax.process_count()}); call "
                                    "jaxodc.launch.init_jax_distributed(ctx) before using jax")
-            return CollectiveTrainer(self.model, self.optimizer, params)
+            return CollectiveTrainer(self.model, self.optimizer, params,
+                                     compress=self.compression_plan(params, jax.device_count()))
         if runtime is not None:
-            return OdcTrainer(self.model, self.optimizer, params, runtime)
+            return OdcTrainer(self.model, self.optimizer, params, runtime,
+                              compress=self.compression_plan(params, runtime.world))
         if ctx is None:
             raise ValueError("comm='odc' needs ctx= (jaxodc.launch.Context) or runtime=")
         from jaxodc.odc import Runtime
         runtime = Runtime.create([u.padded for u in self.layout(params, ctx.world).units], ctx, **runtime_kwargs)
         try:
-            return OdcTrainer(self.model, self.optimizer, params, runtime, owns_runtime=True)
+            return OdcTrainer(self.model, self.optimizer, params, runtime, owns_runtime=True,
+                              compress=self.compression_plan(params, ctx.world))
         except BaseException:
             runtime.close(barrier=False)
             raise
 
 
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
-                 comm: str = "odc"):
+                 comm: str = "odc", compress: Compression | None = None):
     """The sharded trainer builder for a model or a per-unit function.
 
     Args:
@@ -133,6 +146,7 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       optimizer: any Optax transformation (clip with `jaxodc.clip_by_global_norm`).
       units: the unit names in run order (a per-unit function needs them).
       comm: "odc" or "collective".
+      compress: TAGC gradient compression (`jaxodc.compress.Compression`), None for none.
 
     Returns:
       A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
@@ -142,10 +156,10 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       >>> res = tr.train_minibatch(my_microbatches, global_tokens)
     """
     if fn is None:
-        return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm)
+        return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm, compress=compress)
     if optimizer is None:
         raise ValueError("sharded_step needs optimizer= (an optax.GradientTransformation)")
-    return ShardedStep(_as_model(fn, units), optimizer, comm)
+    return ShardedStep(_as_model(fn, units), optimizer, comm, compress)
 
 
 def _digest(x) -> str:
@@ -172,7 +186,11 @@ class Trainer:
         comm="collective" also needs `jaxodc.launch.init_jax_distributed(ctx)` before jax is used.
       min_bucket: bucketed row lengths (packing.bucket), so compute follows content.
       seed: the parameter init seed when `params` is None.
-      **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport.
+      compress: TAGC gradient compression (`jaxodc.compress.Compression`: which parameters, kept
+        fraction, sketch ratio), None for none; records then report wire bytes, kept fraction and
+        peeled / estimated counts.
+      **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
+        link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
     Example:
       >>> with Trainer(model, optax.adam(3e-3), comm="odc", max_tokens=256) as tr:
@@ -183,7 +201,7 @@ class Trainer:
     def __init__(self, model, optimizer: optax.GradientTransformation, *, comm: str = "odc",
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
-                 **runtime_kwargs):
+                 compress: Compression | None = None, **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -200,7 +218,7 @@ class Trainer:
         try:
             if params is None:
                 params = model.init(jax.random.PRNGKey(seed))
-            self.step_fn = sharded_step(model, optimizer, comm=comm)
+            self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress)
             if ctx.world > 1:
                 config = {**self.step_fn.config(params, ctx.world), "balance": balance,
                           "max_tokens": self.max_tokens, "min_bucket": min_bucket,

@@ -16,7 +16,7 @@ from jaxodc.balance.packing import pack
 from jaxodc.balance.plan import Plan
 from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_reduce_scatter, dense_wire_bytes,
                                         unit_exchange)
-from jaxodc.compress.policy import CompressionPlan
+from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, microbatches_for,
                                optimizer_step, plan_global_tokens)
 from jaxodc.train.units import make_layout, shard_params
@@ -24,9 +24,9 @@ from jaxodc.train.units import make_layout, shard_params
 AXIS = "d"
 
 
-# Decode counts of a compressed unit leave its backward pass as the "cotangent" of a float32 [2, 2]
+# Decode counts of a compressed unit leave its backward pass as the "cotangent" of a float32 [3, 2]
 # input the loss never reads (custom_vjp outputs are the only way out of a backward pass), in base
-# 4096 digits: (peeled, estimated) x (count >> 12, count & 4095), exact as floats for any count below
+# 4096 digits: (peeled, estimated, kept) x (count >> 12, count & 4095), exact as floats for any count below
 # 2^31, and still exact if jax ever summed two such cotangents.
 _DIGIT = 12
 
@@ -46,7 +46,8 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     Units named in `exchanges` travel compressed in the backward pass (compress.collective). Their
     `shard` argument is the triple (shard, residual, carrier): the cotangent returned for the
     residual is this rank's next residual (it replaces the old one, never adds to it) and the one for
-    the carrier float32 [2, 2] holds the owner's peeled and estimated counts (`_carrier_to_counts`).
+    the carrier float32 [3, 2] holds the owner's peeled and estimated counts and this rank's kept
+    count (`_carrier_to_counts`).
     """
 
     @jax.custom_vjp
@@ -111,12 +112,15 @@ class CollectiveTrainer(ShardedTrainer):
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
         if check:
             self.check_same({"layout fingerprint": self.layout.fingerprint()}, "parameter layout")
-            self.check_same({"compression": "on" if compress else "off", **(compress.describe() if compress else {})},
-                            "compression setting")
+            self.check_same(setting_of(compress), "compression setting")
         self.compress = compress
         self.exchanges = exchanges = self._exchanges(compress)  # unit name -> its static compressed exchange
         self.gradient_wire = {n: exchanges[n].wire if n in exchanges else
                               WireBytes(0, dense_wire_bytes(self.layout[n]), 0) for n in names}
+        # Without compression, the bytes the default setting would compress (records' wire_bytes_selected).
+        track = tracking_plan(self.layout) if compress is None else None
+        self._tracked_wire = sum(unit_exchange(self.layout[n], track).wire.selected_dense
+                                 for n in names if track is not None and track.selected(n))
 
         local = shard_params(self.layout, params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
@@ -127,10 +131,10 @@ class CollectiveTrainer(ShardedTrainer):
 
         self.residuals = self._zero_residuals()
         grad_fn = microbatch_grad(model, self.layout, collective_gather(AXIS, exchanges))
-        no_counts = jnp.zeros((2, 2), jnp.float32)
+        no_counts = jnp.zeros((3, 2), jnp.float32)
 
         def mb_step(shards, residuals, acc, counts, batch, ntok):
-            """counts: int32 [2] (peeled, estimated) of my slices so far this minibatch."""
+            """counts: int32 [3] (peeled, estimated, kept) of my slices so far this minibatch."""
             params = {n: (s, residuals[n], no_counts) if n in residuals else s for n, s in shards.items()}
             loss, g = grad_fn(params, batch, ntok, None)
             grads = {n: g[n][0] if n in residuals else g[n] for n in shards}
@@ -194,7 +198,7 @@ class CollectiveTrainer(ShardedTrainer):
         res, cpu0 = StepResult(self.version, 0.0, time.perf_counter(), 0.0), time.process_time()
         ntok = jnp.float32(global_tokens)
         acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
-        counts = self._global(np.zeros(2, np.int32))
+        counts = self._global(np.zeros(3, np.int32))
         loss = 0.0
         for mb in mbs:
             t0 = time.perf_counter()
@@ -202,10 +206,15 @@ class CollectiveTrainer(ShardedTrainer):
             acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, batch, ntok)
             loss += float(l)  # blocks: the interval covers this microbatch only
             res.microbatches.append((t0, time.perf_counter()))
-        res.wire_bytes = len(mbs) * sum(w.total for w in self.gradient_wire.values())
+        res.wire_bytes_units = {n: len(mbs) * w.total for n, w in self.gradient_wire.items()}
+        res.wire_bytes = sum(res.wire_bytes_units.values())
         if self.compress is not None:
             res.wire_bytes_selected = len(mbs) * sum(w.compressed for w in self.gradient_wire.values())
-            res.peeled, res.estimated = (int(c) for c in np.asarray(counts.addressable_data(0)))
+            res.peeled, res.estimated, kept = (int(c) for c in np.asarray(counts.addressable_data(0)))
+            selected = len(mbs) * sum(ex.residual_size for ex in self.exchanges.values())
+            res.kept_fraction = kept / selected if selected else None
+        else:
+            res.wire_bytes_selected = len(mbs) * self._tracked_wire
         t0 = time.perf_counter()
         self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
@@ -226,7 +235,7 @@ class CollectiveTrainer(ShardedTrainer):
             batch = {k: self._global(v) for k, v in pack([], int(T)).as_dict().items()}
             # residuals on copies: a padding microbatch still sends part of them
             jax.block_until_ready(self._mb_step(self.shards, copy(self.residuals), zeros(),
-                                                self._global(np.zeros(2, np.int32)), batch, ntok))
+                                                self._global(np.zeros(3, np.int32)), batch, ntok))
         # the optimizer step too, on copies (it donates its inputs)
         jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
 

@@ -141,12 +141,16 @@ class StepResult:
     # accumulation, transports): with one core per rank, wall - cpu is the time it sat blocked.
     cpu: float = 0.0
     # Gradient exchange, where the trainer counts it (None otherwise): bytes this rank sent for the
-    # units' gradients (compressed + dense); with TAGC compression, of those the compressed pieces'
-    # (bitmaps + sketches), and the elements of this rank's shards decoded by peeling / estimated.
+    # units' gradients (compressed + dense); of those, the bytes of the pieces the compression
+    # setting selects (without compression: of the pieces the default setting would select, sent
+    # dense); with TAGC compression, the elements of this rank's shards decoded by peeling /
+    # estimated and the kept fraction.
     wire_bytes: int | None = None
     wire_bytes_selected: int | None = None
     peeled: int | None = None
     estimated: int | None = None
+    wire_bytes_units: dict[str, int] | None = None  # wire_bytes by unit
+    kept_fraction: float | None = None  # of the compressed pieces' elements sent, the fraction kept
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,

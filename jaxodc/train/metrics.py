@@ -35,6 +35,13 @@ class MinibatchRecord:
     comm: str = ""
     balance: str = ""
     busy_s: float | None = None
+    # this rank's gradient exchange (StepResult's fields of the same names; None where not counted)
+    wire_bytes: int | None = None
+    wire_bytes_selected: int | None = None
+    wire_bytes_units: dict | None = None
+    kept_fraction: float | None = None
+    peeled: int | None = None
+    estimated: int | None = None
 
     @property
     def busy(self) -> float:
@@ -52,7 +59,8 @@ class MinibatchRecord:
     def from_result(cls, res, rank: int, samples: int = 0, tokens: int = 0, comm: str = "", balance: str = ""):
         """From a trainer's StepResult (jaxodc.train.collective)."""
         return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
-                   samples, tokens, res.loss, comm, balance)
+                   samples, tokens, res.loss, comm, balance, None, res.wire_bytes, res.wire_bytes_selected,
+                   res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated)
 
 
 def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchRecord]]:

@@ -14,6 +14,7 @@ from jax.experimental import io_callback
 
 from jaxodc.balance.packing import bucket, pack
 from jaxodc.balance.plan import Plan, iter_steal
+from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, optimizer_step,
                                optimizer_updates, plan_global_tokens)
@@ -111,15 +112,21 @@ class OdcTrainer(ShardedTrainer):
       runtime: the ODC runtime (`jaxodc.odc.Runtime` across processes).
       gather: how a unit is gathered inside jit; default `odc_gather_fn(runtime)`.
       owns_runtime: close the runtime when the trainer is closed.
+      compress: a CompressionPlan of this layout (`Compression(...).plan(layout)`): its pieces
+        travel to other ranks TAGC-compressed (bitmap + count sketch, decoded by the owner per push;
+        csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
+        runtime and are not checkpointed (a restore continues with the residuals it has).
     """
 
     comm = "odc"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
-                 gather: GatherFn | None = None, owns_runtime: bool = False):
+                 gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None):
         self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
         self.world, self.rank = runtime.world, runtime.rank
         self.layout = make_layout(params, self.world, order=model.unit_names)
+        self.compress = compress
+        self._register_ranges(compress)
         shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
         self.opt_state = optimizer.init(shards)
         grad_fn = microbatch_grad(model, self.layout, gather or odc_gather_fn(runtime))
@@ -156,7 +163,45 @@ class OdcTrainer(ShardedTrainer):
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
         self._rt_base = 0
+        self.check_same(setting_of(compress), "compression setting")
+        self._traffic_seen = self._traffic()
         self._publish(shards, 0)
+
+    def _register_ranges(self, plan: CompressionPlan | None) -> None:
+        """The plan's pieces travel compressed; without a plan the default setting's pieces are
+        registered to be counted only (records' wire_bytes_selected)."""
+        unknown = sorted(set(plan.pieces) - set(self.layout.names)) if plan is not None else []
+        if unknown:
+            raise ValueError(f"rank {self.rank}: the compression plan names units {unknown} that the model's "
+                             f"layout lacks (units: {list(self.layout.names)}); plan it on this layout")
+        track = plan if plan is not None else tracking_plan(self.layout)
+        if track is None or not hasattr(self.rt, "add_range"):
+            if plan is not None:
+                raise TypeError(f"rank {self.rank}: compression needs a runtime with add_range (jaxodc.odc.Runtime)")
+            return
+        for u in self.layout.units:
+            for offset, size in track.selected(u.name):
+                self.rt.add_range(u.index, offset, size, fraction=track.fraction, ratio=track.ratio, seed=track.seed,
+                                  compress=plan is not None)
+
+    def _traffic(self) -> dict[str, dict] | None:
+        if not hasattr(self.rt, "traffic"):
+            return None
+        return {u.name: self.rt.traffic(u.index) for u in self.layout.units}
+
+    def _record_traffic(self, res: StepResult) -> None:
+        """The minibatch's gradient traffic (counter deltas since the last minibatch) into `res`."""
+        now, seen = self._traffic(), self._traffic_seen
+        if now is None:
+            return
+        self._traffic_seen = now
+        delta = {n: {k: now[n][k] - seen[n][k] for k in now[n]} for n in now}
+        total = lambda key: sum(d[key] for d in delta.values())  # noqa: E731
+        res.wire_bytes_units = {n: d["wire_bytes"] for n, d in delta.items()}
+        res.wire_bytes, res.wire_bytes_selected = total("wire_bytes"), total("range_bytes")
+        if self.compress is not None:
+            res.peeled, res.estimated = total("peeled"), total("estimated")
+            res.kept_fraction = total("kept_elems") / total("range_elems") if total("range_elems") else None
 
     def _master_views(self) -> list[np.ndarray] | None:
         """The runtime's master shards, when jax can use them as its own arrays without a copy
@@ -207,6 +252,7 @@ class OdcTrainer(ShardedTrainer):
             res.microbatches.append((t0, time.perf_counter()))
         self.rt.done(v)
         self.rt.wait_complete(v)
+        self._record_traffic(res)  # my pushes and my shards' decoding of minibatch v are complete
         t0 = time.perf_counter()
         # The gradients are read where they accumulated (no copy on the CPU backend) ...
         grads = {u.name: jax.device_put(self.rt.grad_view(u.index)) for u in self.layout.units}
