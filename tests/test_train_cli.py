@@ -32,6 +32,14 @@ def test_bad_input_exits_2_before_launching(tmp_path, capsys):
     assert code == 2 and "--resume needs --checkpoint DIR" in err, err
     code, err = _main(["--steps", "0"], capsys)
     assert code == 2 and "--steps must be >= 1" in err, err
+    code, err = _main(["--compress", "fraction=2"], capsys)
+    assert code == 2 and "compression 'fraction=2': fraction must be in (0, 1], got 2.0" in err, err
+    code, err = _main(["--compress", "ratio=1"], capsys)
+    assert code == 2 and "ratio must be > 1 (dense bytes / sketch bytes), got 1.0" in err, err
+    code, err = _main(["--compress", "width=3"], capsys)
+    assert code == 2 and "expected 'none', 'default' or key=value pairs" in err, err
+    code, err = _main(["--link-mbps", "100"], capsys)
+    assert code == 2 and "--link-mbps / --link-ms emulate ODC's tcp transport: add --transport tcp" in err, err
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello world"}\n{"text": "a longer sample"}\n')
     code, err = _main(["--data", str(data), "--ranks", "2"] + SMALL, capsys)

@@ -52,6 +52,12 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--lr", type=float, default=3e-3, help="adam learning rate")
     a("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     a("--seed", type=int, default=0, help="parameter init seed")
+    a("--compress", default="none", help="TAGC gradient compression: none, default (the big non-attention "
+                                         "matrices, kept fraction 0.05, sketch ratio 10) or key=value pairs "
+                                         "over fraction, ratio, min_elems, seed")
+    a("--transport", default="auto", help="ODC transport between ranks: auto, shm or tcp")
+    a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
+    a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
     a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
     a("--resume", action="store_true", help="restore from --checkpoint when it holds a checkpoint")
     a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")
@@ -98,6 +104,12 @@ def check_args(args) -> None:
         raise ValueError("--resume needs --checkpoint DIR")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         raise ValueError(f"--d-model {args.d_model} must split into --heads {args.heads} heads of even size")
+    from jaxodc.compress import parse_compression
+    parse_compression(args.compress)  # a bad setting fails here, naming it
+    if args.link_mbps < 0 or args.link_ms < 0:
+        raise ValueError("--link-mbps and --link-ms must be >= 0")
+    if (args.link_mbps or args.link_ms) and args.transport != "tcp":
+        raise ValueError("--link-mbps / --link-ms emulate ODC's tcp transport: add --transport tcp")
 
 
 def load_samples(args, world: int):
@@ -178,8 +190,13 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     if args.clip > 0:
         opt = optax.chain(clip_by_global_norm(args.clip), opt)
     say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
+    from jaxodc.compress import parse_compression
+    from jaxodc.odc import Link
+    odc_kwargs = {} if comm != "odc" else {
+        "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
-                      cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None)
+                      cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None,
+                      compress=parse_compression(args.compress), **odc_kwargs)
     with trainer:
         ck = checkpoint_dir(args, run, n_runs)
         if args.resume and checkpoint.exists(ck):
@@ -194,7 +211,11 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
             if args.progress:
                 bar.update(loss=rec.loss)
             else:
-                say(f"{comm:>10} + {balance:<8} minibatch {rec.step}: loss {rec.loss:.4f}")
+                wire = "" if rec.wire_bytes is None else f", gradient bytes sent {rec.wire_bytes / 1e6:.3g} MB"
+                if rec.kept_fraction is not None:
+                    wire += (f" (compressed pieces {rec.wire_bytes_selected / 1e6:.3g} MB, kept {rec.kept_fraction:.3f}, "
+                             f"peeled {rec.peeled}, estimated {rec.estimated})")
+                say(f"{comm:>10} + {balance:<8} minibatch {rec.step}: loss {rec.loss:.4f}{wire}")
             if ck and args.save_every and trainer.step % args.save_every == 0:
                 trainer.save(ck)
                 saved = trainer.step
@@ -215,10 +236,12 @@ def report(json_path: str, timeline: str | None, shown_json: str | None = None) 
     runs = load_runs(json_path)
     summaries = {name: summarize(recs) for name, recs in runs.items() if recs}
     print()
-    print(f"{'mode':<24}{'final loss':>12}{'samples/s':>12}{'tokens/s':>12}{'bubble':>10}")
+    print(f"{'mode':<24}{'final loss':>12}{'samples/s':>12}{'tokens/s':>12}{'bubble':>10}{'grad MB/mb':>12}")
     for name, s in summaries.items():
+        wire = [r.wire_bytes for r in runs[name] if r.wire_bytes is not None]
+        mb = f"{sum(wire) / len(wire) / 1e6:>12.3g}" if wire else f"{'-':>12}"  # per rank and minibatch
         print(f"{name:<24}{s['loss']:>12.4f}{s['samples_per_s']:>12.2f}{s['tokens_per_s']:>12.0f}"
-              f"{s['bubble_rate']:>10.1%}")
+              f"{s['bubble_rate']:>10.1%}{mb}")
     for name in runs:
         if not runs[name]:
             print(f"{name:<24}  (no timed minibatches: raise --steps above --warmup)")
