@@ -2,8 +2,10 @@
 
     python -m jaxodc bench train --json bench/out/train.json [--timeline bench/out/train_timeline.png]
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
+    python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
 
-The memory mode is bench/train_memory.py. Methodology (interleaving, bubble accounting, memory
+The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
+link) bench/train_compress.py. Methodology (interleaving, bubble accounting, memory
 accounting): bench/README.md.
 """
 from __future__ import annotations
@@ -56,8 +58,15 @@ def _args(argv):
     p.add_argument("--memory-slot-mib", type=float, default=1.0,
                    help="ODC receive slot per client, MiB (pushes travel in chunks of it; 0: a whole shard)")
     p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
+    p.add_argument("--compress", help="compare TAGC compression (this setting: default or key=value pairs) "
+                                      "with dense training instead (bench/train_compress.py)")
+    p.add_argument("--link-mbps", type=float, default=0.0, help="--compress: emulated link of ODC's tcp transport")
+    p.add_argument("--link-ms", type=float, default=0.0, help="--compress: emulated one-way latency, ms")
+    p.add_argument("--compress-steps", type=int, default=30, help="--compress: minibatches per run")
+    p.add_argument("--compress-minibatch", type=int, default=4, help="--compress: samples per rank per minibatch")
+    p.add_argument("--loss-png", help="--compress: loss-vs-samples plot of the four runs")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--worker", choices=("train", "memory"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -472,6 +481,9 @@ def main(argv: list[str]) -> int:
     if args.worker == "train":
         train_worker(args)
         return 0
+    if args.worker == "compress" or args.compress:
+        from jaxodc.bench import train_compress
+        return train_compress.worker(args) or 0 if args.worker else train_compress.run(args)
     if args.worker == "memory" or args.memory:
         from jaxodc.bench import train_memory
         return train_memory.worker(args) if args.worker else train_memory.run(args)

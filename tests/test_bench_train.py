@@ -115,3 +115,24 @@ def test_tiny_memory_run_reports_both_trainers(tmp_path):
     assert sorted((r["comm"], r["ranks"]) for r in rows) == [("collective", 2), ("odc", 2)]
     for r in rows:
         assert r["peak"] == max(r["peak_rss"], r["peak_xla"]) > 0 and r["bound"] > r["S_over_W"] > 0, r
+
+
+@pytest.mark.slow
+def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
+    out, png = tmp_path / "compress.json", tmp_path / "loss.png"
+    cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--compress", "default", "--link-mbps", "400",
+           "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--json", str(out), "--loss-png", str(png),
+           "--timeout", "150"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    runs = [r for r in rows if r["kind"] == "train"]
+    assert sorted((r["comm"], r["compress"]) for r in runs) == [
+        ("collective", None), ("collective", "default"), ("odc", None), ("odc", "default")]
+    for r in runs:
+        assert r["steps"] == 3 and r["samples_per_s"] > 0 and 0 < r["wire_bytes_selected"] < r["wire_bytes"]
+        assert r["link_mbps"] == (400.0 if r["comm"] == "odc" else None)
+        assert (r["kept_fraction"] is None) == (r["compress"] is None)
+    odc = {r["compress"]: r for r in runs if r["comm"] == "odc"}
+    assert odc[None]["wire_bytes_selected"] > 4 * odc["default"]["wire_bytes_selected"]
+    assert len([r for r in rows if r["kind"] == "bar"]) == 6 and png.stat().st_size > 0
