@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxodc.ops.attention import segment_attention
-from models.lm import rope
+from jaxodc.models.lm import rope
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def test_policy_errors_name_the_parameter():
 
 
 def llama_setup(**kw):
-    from models.llama import Llama, LlamaConfig
+    from jaxodc.models.llama import Llama, LlamaConfig
     cfg = LlamaConfig(n_layers=3, d_model=32, ffn=64, vocab=50, **kw)
     rs = np.random.RandomState(0)
     T = 8
@@ -130,12 +130,12 @@ def test_discovery_of_each_example():
         assert plan.layout.names == ("params/embed", "params/final_norm", "params/head",
                                      "params/layers[0]", "params/layers[1]", "params/layers[2]")
     # the staged model's MLP (layer_0 ... as a dict)
-    from models.mlp import MLP
+    from jaxodc.models.mlp import MLP
     mlp = MLP((4, 8, 8, 3))
     assert discover_units(mlp.init(jax.random.key(0)), 2).layout.names == ("layer_0", "layer_1", "layer_2")
     # nnx: blocks in an nnx.List are repeated layers; the rng state and non-Param variables are constants
     from flax import nnx
-    from models.nnx_mlp import Classifier
+    from jaxodc.models.nnx_mlp import Classifier
     _, tree = nnx_loss_fn(Classifier(dropout=0.1, rngs=nnx.Rngs(0, dropout=1)), lambda m, b: 0.0)
     plan = discover_units(tree, 2, frozen=("state/*",))
     assert plan.layout.names == ("params/blocks/0", "params/blocks/1", "params/blocks/2", "params/inp+2")
@@ -285,7 +285,7 @@ def test_linen_batch_stats_are_constants_returned_as_aux():
 
 def test_nnx_model_with_dropout_and_a_shared_layer():
     from flax import nnx
-    from models.nnx_mlp import Classifier
+    from jaxodc.models.nnx_mlp import Classifier
     model = Classifier(dropout=0.2, rngs=nnx.Rngs(0, dropout=1))
     loss_fn, tree = nnx_loss_fn(model, lambda m, b: jnp.sum(m(b)), rngs=("dropout",))
     rs = np.random.RandomState(0)
