@@ -100,17 +100,14 @@ def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
     """Median seconds of the collective microbatch step per row length, all ranks in lock-step on
     the same all-padding shape (dense compute does not depend on content), gradients discarded.
     Every rank must call it with the same arguments."""
-    import jax
-    import jax.numpy as jnp
     from jaxodc.balance.packing import pack
     out = {}
     for T in rows:
-        batch = {k: trainer._global(v) for k, v in pack([], int(T)).as_dict().items()}
+        batch = pack([], int(T)).as_dict()
         ts = []
         for _ in range(repeats):
-            acc = {n: trainer._global(np.zeros(trainer.layout[n].shard, np.float32)) for n in trainer.layout.names}
             t0 = time.perf_counter()
-            jax.block_until_ready(trainer._mb_step(trainer.shards, acc, batch, jnp.float32(1.0)))
+            trainer.discard_microbatch(batch)
             ts.append(time.perf_counter() - t0)
         out[int(T)] = statistics.median(ts)
     return out
@@ -133,12 +130,12 @@ def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[
     for T in rows:
         for table, content in ((pad, []), (full, [np.arange(int(T), dtype=np.int32) % 251 + 1])):
             batch = {k: jnp.asarray(x) for k, x in pack(content, int(T)).as_dict().items()}
-            jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))  # compile
+            jax.block_until_ready(trainer._mb_step(trainer.shards, trainer.consts, batch, ntok, ver))  # compile
             barrier()
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                jax.block_until_ready(trainer._mb_step(trainer.shards, batch, ntok, ver))
+                jax.block_until_ready(trainer._mb_step(trainer.shards, trainer.consts, batch, ntok, ver))
                 ts.append(time.perf_counter() - t0)
             table[int(T)] = statistics.median(ts)
     rt.done(v)

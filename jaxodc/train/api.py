@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import itertools
 from typing import Callable, Iterable, Sequence
 
@@ -36,7 +37,9 @@ from jaxodc.balance.plan import validate_run
 from jaxodc.train.core import ShardedTrainer, check_same, train_loop
 from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
-from jaxodc.train.units import Layout, StagedModel, make_layout, unshard_params
+from jaxodc.balance.packing import pack
+from jaxodc.train.program import Program, program_of
+from jaxodc.train.units import Layout, StagedModel
 
 
 class UnitModel(StagedModel):
@@ -50,16 +53,31 @@ class UnitModel(StagedModel):
 
 
 def _as_model(fn_or_model, units):
+    """A unit-staged model, a per-unit function with its unit names, or (no `units`) a loss
+    function / Program, which the trainers take as they are."""
+    if isinstance(fn_or_model, Program):
+        return fn_or_model
     if hasattr(fn_or_model, "apply_unit"):
         if units is None:
             return fn_or_model
         return UnitModel(fn_or_model.apply_unit, units)
     if not callable(fn_or_model):
-        raise TypeError(f"sharded_step needs a model with apply_unit/unit_names or a per-unit function, "
-                        f"got {type(fn_or_model).__name__}")
-    if units is None:
-        raise ValueError("sharded_step over a per-unit function needs units=(unit names in run order)")
-    return UnitModel(fn_or_model, units)
+        raise TypeError(f"sharded_step needs a model with apply_unit/unit_names, a per-unit function (with units=) "
+                        f"or a loss_fn(params, batch), got {type(fn_or_model).__name__}")
+    if units is not None:
+        return UnitModel(fn_or_model, units)
+    if _positional_arity(fn_or_model) == 4:
+        raise ValueError("sharded_step over a per-unit function fn(name, params, carry, batch) needs units=(unit "
+                         "names in run order); a loss_fn takes (params, batch)")
+    return fn_or_model
+
+
+def _positional_arity(fn) -> int | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
 class ShardedStep:
@@ -70,34 +88,47 @@ class ShardedStep:
     """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc",
-                 compress: Compression | None = None):
+                 compress: Compression | None = None, unit_policy: dict | None = None):
         validate_run(comm, None)
         if not hasattr(optimizer, "update"):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if compress is not None and not isinstance(compress, Compression):
             raise TypeError(f"compress must be a jaxodc.compress.Compression or None, got {type(compress).__name__}")
         self.model, self.optimizer, self.comm, self.compress = model, optimizer, comm, compress
+        self.unit_policy = dict(unit_policy or {})
+        self._programs: dict = {}
 
-    def layout(self, params, world: int) -> Layout:
-        """The unit layout for `world` ranks (params may be arrays or jax.ShapeDtypeStruct)."""
-        return make_layout(params, world, order=self.model.unit_names)
+    def program(self, params, world: int, example_batch=None) -> Program:
+        """The model made shardable for `world` ranks (params may be arrays or
+        jax.ShapeDtypeStruct); a loss function is traced on `example_batch` (once per world)."""
+        if world not in self._programs:
+            self._programs[world] = program_of(self.model, params, world, example_batch=example_batch,
+                                               **self.unit_policy)
+        return self._programs[world]
 
-    def compression_plan(self, params, world: int) -> CompressionPlan | None:
+    def layout(self, params, world: int, example_batch=None) -> Layout:
+        """The unit layout for `world` ranks."""
+        return self.program(params, world, example_batch).layout
+
+    def compression_plan(self, params, world: int, example_batch=None) -> CompressionPlan | None:
         """The compression setting resolved on the layout (None without compression)."""
-        return self.compress.plan(self.layout(params, world)) if self.compress is not None else None
+        if self.compress is None:
+            return None
+        return self.compress.plan(self.layout(params, world, example_batch))
 
-    def config(self, params, world: int) -> dict:
+    def config(self, params, world: int, example_batch=None) -> dict:
         """What every rank must agree on before training: comm, layout, optimizer-state structure,
         compression setting."""
-        layout = self.layout(params, world)
+        layout = self.layout(params, world, example_batch)
         shapes = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
         opt_struct = jax.tree_util.tree_map(lambda s: (tuple(s.shape), str(s.dtype)),
                                             jax.eval_shape(self.optimizer.init, shapes))
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
                 "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
-                **setting_of(self.compression_plan(params, world))}
+                **setting_of(self.compression_plan(params, world, example_batch))}
 
-    def init(self, params: dict, *, ctx=None, runtime=None, check: bool = True, **runtime_kwargs) -> ShardedTrainer:
+    def init(self, params, *, ctx=None, runtime=None, check: bool = True, example_batch=None,
+             **runtime_kwargs) -> ShardedTrainer:
         """Shards `params` (every rank passes the same full parameters) and sets up communication.
 
         Args:
@@ -107,46 +138,55 @@ class ShardedStep:
             (`runtime_kwargs` go to `jaxodc.odc.Runtime`, e.g. timeout_s, transport).
           runtime: an ODC runtime to use instead (comm="odc"); the caller closes it.
           check: run the config check (Trainer runs a larger one itself).
+          example_batch: one microbatch, for a loss function (its units are found by tracing it).
 
         Returns:
           The trainer (CollectiveTrainer or OdcTrainer).
         """
         if check and ctx is not None and ctx.world > 1:
-            check_same(functools.partial(ctx.allgather, "jaxodc/config/step"), self.config(params, ctx.world),
-                       ctx.rank, "trainer config")
+            check_same(functools.partial(ctx.allgather, "jaxodc/config/step"),
+                       self.config(params, ctx.world, example_batch), ctx.rank, "trainer config")
         if self.comm == "collective":
             if ctx is not None and jax.process_count() != ctx.world:
                 raise RuntimeError(f"rank {ctx.rank}: comm='collective' needs jax.distributed over the job's "
                                    f"{ctx.world} processes (jax sees {jax.process_count()}); call "
                                    "jaxodc.launch.init_jax_distributed(ctx) before using jax")
-            return CollectiveTrainer(self.model, self.optimizer, params,
-                                     compress=self.compression_plan(params, jax.device_count()))
-        if runtime is not None:
-            return OdcTrainer(self.model, self.optimizer, params, runtime,
-                              compress=self.compression_plan(params, runtime.world))
-        if ctx is None:
+            world = jax.device_count()
+            return CollectiveTrainer(self.program(params, world, example_batch), self.optimizer, params,
+                                     compress=self.compression_plan(params, world, example_batch))
+        world = runtime.world if runtime is not None else ctx.world if ctx is not None else None
+        if world is None:
             raise ValueError("comm='odc' needs ctx= (jaxodc.launch.Context) or runtime=")
+        program = self.program(params, world, example_batch)
+        plan = self.compression_plan(params, world, example_batch)
+        if runtime is not None:
+            return OdcTrainer(program, self.optimizer, params, runtime, compress=plan)
         from jaxodc.odc import Runtime
-        runtime = Runtime.create([u.padded for u in self.layout(params, ctx.world).units], ctx, **runtime_kwargs)
+        runtime = Runtime.create([u.padded for u in program.layout.units], ctx, **runtime_kwargs)
         try:
-            return OdcTrainer(self.model, self.optimizer, params, runtime, owns_runtime=True,
-                              compress=self.compression_plan(params, ctx.world))
+            return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan)
         except BaseException:
             runtime.close(barrier=False)
             raise
 
 
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
-                 comm: str = "odc", compress: Compression | None = None):
+                 comm: str = "odc", compress: Compression | None = None, unit_policy: dict | None = None):
     """The sharded trainer builder for a model or a per-unit function.
 
     Args:
-      fn: a model with `unit_names` / `apply_unit`, or a per-unit function
-        `fn(name, params, carry, batch) -> carry`; omitted, `sharded_step` is a decorator.
+      fn: a model with `unit_names` / `apply_unit`; a per-unit function
+        `fn(name, params, carry, batch) -> carry` (with `units`); or any
+        `loss_fn(params, batch)` returning the microbatch's SUMMED loss, over any parameter pytree
+        (`jaxodc.train.adapters` makes one of a flax linen / nnx module): its units are discovered
+        and each gathered where it is first used (`init` then needs `example_batch=`). Omitted,
+        `sharded_step` is a decorator.
       optimizer: any Optax transformation (clip with `jaxodc.clip_by_global_norm`).
       units: the unit names in run order (a per-unit function needs them).
       comm: "odc" or "collective".
       compress: TAGC gradient compression (`jaxodc.compress.Compression`), None for none.
+      unit_policy: for a loss function, `train.discover.discover_units`' options (units=,
+        stacked=, frozen=, max_unit_bytes=).
 
     Returns:
       A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
@@ -156,10 +196,11 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       >>> res = tr.train_minibatch(my_microbatches, global_tokens)
     """
     if fn is None:
-        return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm, compress=compress)
+        return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm, compress=compress,
+                                 unit_policy=unit_policy)
     if optimizer is None:
         raise ValueError("sharded_step needs optimizer= (an optax.GradientTransformation)")
-    return ShardedStep(_as_model(fn, units), optimizer, comm, compress)
+    return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy)
 
 
 def _digest(x) -> str:
@@ -174,7 +215,10 @@ class Trainer:
     ConfigMismatchError naming the fields that differ and every rank's value.
 
     Args:
-      model: a unit-staged model (`unit_names`, `apply_unit`, `init`).
+      model: a unit-staged model (`unit_names`, `apply_unit`, `init`), or a
+        `loss_fn(params, batch)` over packed token microbatches (tokens, targets, segment_ids,
+        positions, loss_mask; [1, max_tokens]) returning their summed loss -- e.g. a flax module
+        through `jaxodc.train.adapters.linen_loss_fn` -- with `params=`.
       optimizer: any Optax transformation; it runs on the local shards.
       comm: "odc" or "collective".
       balance: a balancer of jaxodc.balance.plan (default lb_mini for odc, lb_micro for
@@ -217,15 +261,19 @@ class Trainer:
         self.state: ShardedTrainer | None = None
         try:
             if params is None:
+                if not hasattr(model, "init"):
+                    raise ValueError("a loss function needs params= (its initial parameters)")
                 params = model.init(jax.random.PRNGKey(seed))
             self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress)
+            # a loss function is traced on one packed microbatch (the batches fit() feeds it)
+            example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens).as_dict()
             if ctx.world > 1:
-                config = {**self.step_fn.config(params, ctx.world), "balance": balance,
+                config = {**self.step_fn.config(params, ctx.world, example), "balance": balance,
                           "max_tokens": self.max_tokens, "min_bucket": min_bucket,
                           "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)]}
                 check_same(functools.partial(ctx.allgather, "jaxodc/config/trainer"), config, ctx.rank,
                            "trainer config")
-            self.state = self.step_fn.init(params, ctx=ctx, check=False, **runtime_kwargs)
+            self.state = self.step_fn.init(params, ctx=ctx, check=False, example_batch=example, **runtime_kwargs)
         except BaseException:
             self._close_ctx()
             raise
@@ -289,7 +337,7 @@ class Trainer:
         """The full parameters (numpy), assembled from every rank's shards; collective."""
         mine = {n: np.asarray(x, np.float32).tobytes() for n, x in self.state.local_shards().items()}
         got = [msgpack.unpackb(b) for b in self.ctx.allgather("jaxodc/trainer/params", msgpack.packb(mine))]
-        return unshard_params(self.layout, [{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got])
+        return self.state.program.unshard([{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got])
 
     def save(self, path: str) -> str:
         """Checkpoint (jaxodc.train.checkpoint); all ranks call it together."""

@@ -2,6 +2,7 @@
 NCCL on GPU) in lock-step over a 1-D mesh of all processes' devices."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from typing import Sequence
@@ -17,9 +18,9 @@ from jaxodc.balance.plan import Plan
 from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_reduce_scatter, dense_wire_bytes,
                                         unit_exchange)
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
-from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, microbatches_for,
+from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatches_for,
                                optimizer_step, plan_global_tokens)
-from jaxodc.train.units import make_layout, shard_params
+from jaxodc.train.program import program_of
 
 AXIS = "d"
 
@@ -96,15 +97,18 @@ class CollectiveTrainer(ShardedTrainer):
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
-                 compress: CompressionPlan | None = None):
+                 compress: CompressionPlan | None = None, example_batch=None, **unit_policy):
         if jax.local_device_count() != 1:
             raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
         self.model, self.optimizer = model, optimizer
         self.world, self.rank = jax.device_count(), jax.process_index()
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devs), (AXIS,))
-        self.layout = make_layout(params, self.world, order=model.unit_names)
+        # model: a unit-staged model, a loss_fn(params, batch) (with example_batch) or a Program
+        self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
+        self.layout = self.program.layout
         self._sh = NamedSharding(self.mesh, P(AXIS))
+        self.consts = tuple(self._replicated(c) for c in self.program.consts)
         names = self.layout.names
         spec_sh = {n: P(AXIS) for n in names}
         smap = lambda f, i, o: jax.shard_map(f, mesh=self.mesh, in_specs=i, out_specs=o, check_vma=False)
@@ -122,7 +126,7 @@ class CollectiveTrainer(ShardedTrainer):
         self._tracked_wire = sum(unit_exchange(self.layout[n], track).wire.selected_dense
                                  for n in names if track is not None and track.selected(n))
 
-        local = shard_params(self.layout, params, self.rank)
+        local = self.program.shard(params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
         shapes = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in names}
         state_specs = jax.tree_util.tree_map(lambda s: P() if s.ndim == 0 else P(AXIS),
@@ -130,13 +134,13 @@ class CollectiveTrainer(ShardedTrainer):
         self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
 
         self.residuals = self._zero_residuals()
-        grad_fn = microbatch_grad(model, self.layout, collective_gather(AXIS, exchanges))
+        grad_fn = self.program.grad(collective_gather(AXIS, exchanges))
         no_counts = jnp.zeros((3, 2), jnp.float32)
 
-        def mb_step(shards, residuals, acc, counts, batch, ntok):
+        def mb_step(shards, residuals, acc, counts, consts, batch, ntok):
             """counts: int32 [3] (peeled, estimated, kept) of my slices so far this minibatch."""
             params = {n: (s, residuals[n], no_counts) if n in residuals else s for n, s in shards.items()}
-            loss, g = grad_fn(params, batch, ntok, None)
+            loss, g = grad_fn(params, consts, batch, ntok, None)
             grads = {n: g[n][0] if n in residuals else g[n] for n in shards}
             for n in residuals:
                 counts = counts + _carrier_to_counts(g[n][2])
@@ -147,7 +151,8 @@ class CollectiveTrainer(ShardedTrainer):
             return optimizer_step(optimizer, shards, state, acc, lambda x: jax.lax.psum(x, AXIS))
 
         res_sh = {n: P(AXIS) for n in self.residuals}
-        self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), P(AXIS), P()),
+        const_sh = tuple(P() for _ in self.consts)
+        self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), const_sh, P(AXIS), P()),
                                      (spec_sh, res_sh, P(AXIS), P())), donate_argnums=(1, 2, 3))
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
@@ -202,8 +207,9 @@ class CollectiveTrainer(ShardedTrainer):
         loss = 0.0
         for mb in mbs:
             t0 = time.perf_counter()
-            batch = {k: self._global(np.asarray(v)) for k, v in mb.items()}
-            acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, batch, ntok)
+            batch = jax.tree_util.tree_map(self._global, mb)
+            acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, self.consts,
+                                                           batch, ntok)
             loss += float(l)  # blocks: the interval covers this microbatch only
             res.microbatches.append((t0, time.perf_counter()))
         res.wire_bytes_units = {n: len(mbs) * w.total for n, w in self.gradient_wire.items()}
@@ -228,16 +234,32 @@ class CollectiveTrainer(ShardedTrainer):
         all-padding microbatch whose gradient is discarded, and the optimizer step on copies;
         parameters and optimizer state are untouched. Every rank must call it with the same
         lengths (it runs collectives)."""
-        ntok = jnp.float32(1.0)
-        zeros = lambda: {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
-        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
         for T in row_lengths:
-            batch = {k: self._global(v) for k, v in pack([], int(T)).as_dict().items()}
-            # residuals on copies: a padding microbatch still sends part of them
-            jax.block_until_ready(self._mb_step(self.shards, copy(self.residuals), zeros(),
-                                                self._global(np.zeros(3, np.int32)), batch, ntok))
+            self.discard_microbatch(pack([], int(T)).as_dict())
         # the optimizer step too, on copies (it donates its inputs)
-        jax.block_until_ready(self._opt_step(copy(self.shards), copy(self.opt_state), zeros()))
+        jax.block_until_ready(self._opt_step(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
+
+    def discard_microbatch(self, microbatch: dict) -> None:
+        """One microbatch step whose gradient is dropped (residuals on copies: even a padding
+        microbatch sends part of them); shards and state are untouched. It compiles or times the
+        step. Every rank must call it with the same shapes (it runs collectives)."""
+        jax.block_until_ready(self._mb_step(self.shards, self._copy(self.residuals), self._zeros(),
+                                            self._global(np.zeros(3, np.int32)), self.consts,
+                                            jax.tree_util.tree_map(self._global, microbatch), jnp.float32(1.0)))
+
+    def _replicated(self, x) -> jax.Array:
+        """A value every rank holds the same of, as a replicated global array (PRNG keys too)."""
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl))(self._replicated(jax.random.key_data(x)))
+        return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()), np.asarray(x))
+
+    def _zeros(self) -> dict:
+        return {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
+
+    @functools.cached_property
+    def _copy(self):
+        return jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
 
     def train_plan(self, plan: Plan, samples: Sequence[np.ndarray], min_bucket: int | Sequence[int] | None = None) -> StepResult:
         """One minibatch from a static plan (LB-Micro, LocalSort, ...), padded to equal counts.

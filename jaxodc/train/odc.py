@@ -16,9 +16,9 @@ from jaxodc.balance.packing import bucket, pack
 from jaxodc.balance.plan import Plan, iter_steal
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
-from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatch_grad, optimizer_step,
-                               optimizer_updates, plan_global_tokens)
-from jaxodc.train.units import make_layout, shard_params
+from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_step, optimizer_updates,
+                               plan_global_tokens)
+from jaxodc.train.program import program_of
 
 
 class OdcRuntime(Protocol):
@@ -106,7 +106,8 @@ class OdcTrainer(ShardedTrainer):
     shards (global sums via allgather_scalar) -> publish(unit, new shard, v+1).
 
     Args:
-      model: a unit-staged model (`unit_names`, `apply_unit`).
+      model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
+        the microbatch's summed loss (then `example_batch` is needed), or a `program.Program`.
       optimizer: any Optax transformation; it runs on the local shards.
       params: the full initial parameters, the same on every rank.
       runtime: the ODC runtime (`jaxodc.odc.Runtime` across processes).
@@ -116,26 +117,30 @@ class OdcTrainer(ShardedTrainer):
         travel to other ranks TAGC-compressed (bitmap + count sketch, decoded by the owner per push;
         csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
         runtime and are not checkpointed (a restore continues with the residuals it has).
+      example_batch: a microbatch to trace a loss function on (program.traced_program).
+      **unit_policy: how a loss function's units are found (train.discover.discover_units).
     """
 
     comm = "odc"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
-                 gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None):
+                 gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None,
+                 example_batch=None, **unit_policy):
         self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
         self.world, self.rank = runtime.world, runtime.rank
-        self.layout = make_layout(params, self.world, order=model.unit_names)
+        self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
+        self.layout, self.consts = self.program.layout, self.program.consts
         self.compress = compress
         self._register_ranges(compress)
-        shards = {n: jnp.asarray(s) for n, s in shard_params(self.layout, params, self.rank).items()}
+        shards = {n: jnp.asarray(s) for n, s in self.program.shard(params, self.rank).items()}
         self.opt_state = optimizer.init(shards)
-        grad_fn = microbatch_grad(model, self.layout, gather or odc_gather_fn(runtime))
-        def mb_step(s, b, n, v):
+        grad_fn = self.program.grad(gather or odc_gather_fn(runtime))
+        def mb_step(s, c, b, n, v):
             # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
             # returned so the backward pass stays live and ordered before the result, without
             # materialising shard-sized zeros every microbatch (the pushes themselves are
             # side-effecting custom calls, never dropped).
-            loss, g = grad_fn(s, b, n, v)
+            loss, g = grad_fn(s, c, b, n, v)
             return loss, sum(x[0] for x in jax.tree_util.tree_leaves(g))
 
         self._mb_step = jax.jit(mb_step)
@@ -247,7 +252,7 @@ class OdcTrainer(ShardedTrainer):
         loss = 0.0
         for mb in microbatches:
             t0 = time.perf_counter()
-            l, _ = self._mb_step(self.shards, {k: jnp.asarray(x) for k, x in mb.items()}, ntok, ver)
+            l, _ = self._mb_step(self.shards, self.consts, jax.tree_util.tree_map(jnp.asarray, mb), ntok, ver)
             loss += float(l)
             res.microbatches.append((t0, time.perf_counter()))
         self.rt.done(v)

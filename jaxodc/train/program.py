@@ -1,0 +1,120 @@
+"""What a sharded trainer trains: the unit layout, each rank's shards, the constants every rank
+keeps whole, and the microbatch gradient given a gather. Two kinds:
+
+- a unit-staged model (`units.StagedModel`: `unit_names` + `apply_unit`), whose stages are written
+  by hand (models/lm.py);
+- any `loss_fn(params, batch)` over any parameter pytree -- a plain JAX function, or a flax linen /
+  nnx module reduced to one by `train.adapters` -- whose units are discovered from the tree
+  (`train.discover`) and gathered where they are first used (`train.gather_on_use`, which traces
+  the loss once per batch signature).
+
+`loss_fn` returns the *sum* of its per-token (or per-sample) losses over the microbatch; the
+trainer divides by the global count of the minibatch, because ranks run uneven microbatches and a
+per-microbatch mean would weight them wrongly. A loss_fn returning anything but a float scalar is
+refused when first traced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxodc.train.core import GatherFn, microbatch_grad
+from jaxodc.train.units import Layout, make_layout, shard_params, unshard_params
+
+# gather -> fn(shards, consts, batch, global_count, gather_arg) -> (loss, grads w.r.t. shards)
+GradBuilder = Callable[[GatherFn], Callable]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A model made shardable (see the module docstring).
+
+    Attributes:
+      layout: the units (names, leaf shapes, padded sizes) for the world size.
+      consts: the leaves every rank keeps whole (non-float or frozen leaves, BatchNorm statistics);
+        passed to every microbatch step, never sent.
+      grad: builds the microbatch gradient from the trainer's gather.
+      shard: (full params, rank) -> that rank's fp32 shards {unit: array}.
+      unshard: every rank's shards (by rank) -> the full parameters, in the model's own structure.
+      kind: "staged" or "traced".
+    """
+
+    layout: Layout
+    consts: tuple
+    grad: GradBuilder
+    shard: Callable[[Any, int], dict]
+    unshard: Callable[[Sequence[Mapping[str, np.ndarray]]], Any]
+    kind: str
+
+
+def staged_program(model, params: Mapping, world: int) -> Program:
+    """The program of a unit-staged model: one unit per top-level key of `params`."""
+    layout = make_layout(params, world, order=model.unit_names)
+
+    def grad(gather: GatherFn):
+        g = microbatch_grad(model, layout, gather)
+        return lambda shards, consts, batch, count, gather_arg: g(shards, batch, count, gather_arg)
+
+    return Program(layout, (), grad, lambda p, rank: shard_params(layout, p, rank),
+                   lambda shards: unshard_params(layout, shards), "staged")
+
+
+def _checked_loss(loss_fn: Callable) -> Callable:
+    def loss(params, batch):
+        out = loss_fn(params, batch)
+        if not (isinstance(out, jax.Array) and out.ndim == 0 and jnp.issubdtype(out.dtype, jnp.floating)):
+            raise TypeError(
+                f"loss_fn must return one float scalar, the SUM of its per-token (or per-sample) losses "
+                f"over the microbatch; got {jax.typeof(out) if isinstance(out, jax.Array) else type(out).__name__}. "
+                "jaxodc divides by the minibatch's global count (ranks run uneven microbatches, so a "
+                "per-microbatch mean would weight them wrongly). A loss with auxiliary outputs or mutable "
+                "state (BatchNorm statistics) is not trainable by the sharded trainers yet: return the loss alone")
+        return out
+    return loss
+
+
+def traced_program(loss_fn: Callable, params, example_batch, world: int, **policy) -> Program:
+    """The program of any `loss_fn(params, batch)` (see the module docstring).
+
+    Args:
+      loss_fn: returns the microbatch's summed loss (a float scalar).
+      params: the full parameter pytree (arrays or jax.ShapeDtypeStruct).
+      example_batch: a microbatch (arrays or ShapeDtypeStruct): the loss is traced on it to find
+        scan-stacked layers.
+      world: ranks.
+      **policy: train.discover.discover_units' unit policy (units=, stacked=, frozen=,
+        max_unit_bytes=).
+    """
+    from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
+    from jaxodc.train.gather_on_use import microbatch_grad_any, plan_for
+
+    loss = _checked_loss(loss_fn)
+    plan = plan_for(loss, params, example_batch, world, **policy)
+    consts = tuple(jnp.asarray(x) for x in const_leaves(plan, params))
+    return Program(plan.layout, consts, lambda gather: microbatch_grad_any(loss, plan, gather),
+                   lambda p, rank: shard_tree(plan, p, rank),
+                   lambda shards: unshard_tree(plan, shards, list(consts)), "traced")
+
+
+def program_of(model, params, world: int, *, example_batch=None, **policy) -> Program:
+    """`model` as a Program: a Program as it is, a unit-staged model, or a loss function (which
+    needs `example_batch`)."""
+    if isinstance(model, Program):
+        if model.layout.world != world:
+            raise ValueError(f"the program was built for {model.layout.world} ranks, the job has {world}")
+        return model
+    if hasattr(model, "apply_unit") and hasattr(model, "unit_names"):
+        if policy:
+            raise ValueError(f"a unit-staged model defines its own units; unit policy {sorted(policy)} does not apply")
+        return staged_program(model, params, world)
+    if callable(model):
+        if example_batch is None:
+            raise ValueError("a loss function needs example_batch= (one microbatch, arrays or "
+                             "jax.ShapeDtypeStruct): its units are found by tracing the loss on it")
+        return traced_program(model, params, example_batch, world, **policy)
+    raise TypeError(f"expected a unit-staged model (unit_names, apply_unit), a loss_fn(params, batch) or a "
+                    f"Program, got {type(model).__name__}")
