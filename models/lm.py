@@ -39,7 +39,7 @@ def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang = pos.astype(jnp.float32)[..., None, None] * freq  # [B, T, 1, half]
-    c, s = jnp.cos(ang), jnp.sin(ang)
+    c, s = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)  # x's dtype (bf16 under mixed precision)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
 

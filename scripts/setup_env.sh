@@ -32,12 +32,13 @@ if ! cmp -s "$REQS" "$STAMP" 2>/dev/null; then
 fi
 
 # Native extension (and the nvshmem plugin): rebuilt when any source, the build script or the
-# requirements (which bring the nvcc and NVSHMEM wheels) changed.
+# requirements (which bring the nvcc and NVSHMEM wheels) changed; --force, because setuptools
+# compares the sources alone and would skip a change to a header.
 SRC_HASH=$(cd "$ROOT" && find csrc setup.py bazel/discover.py scripts/requirements.txt -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc' -o -name 'setup.py' -o -name 'discover.py' -o -name 'requirements.txt' \) -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 BUILD_STAMP="$VENV/.jaxodc-build"
 if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$SRC_HASH" ] || ! ls "$ROOT"/jaxodc/_C*.so >/dev/null 2>&1; then
   echo "jaxodc setup: building the native extension"
-  (cd "$ROOT" && "$VENV/bin/python" setup.py -q build_ext --inplace -j 2 >/tmp/jaxodc-build.log 2>&1) || {
+  (cd "$ROOT" && "$VENV/bin/python" setup.py -q build_ext --inplace --force -j 2 >/tmp/jaxodc-build.log 2>&1) || {
     tail -50 /tmp/jaxodc-build.log; echo "jaxodc setup: native build FAILED" >&2; exit 1; }
   echo "$SRC_HASH" > "$BUILD_STAMP"
 fi

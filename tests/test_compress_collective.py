@@ -290,7 +290,7 @@ def test_trainer_default_setting(trained):
 def test_trainer_refuses_mismatched_compression(trained):
     for r, out in enumerate(trained):
         assert out["mismatch"].startswith("ConfigMismatchError"), out["mismatch"]
-        assert "ranks disagree on the compression setting: fraction (rank 0: 0.05, rank 1: 0.1)" in out["mismatch"]
+        assert "ranks disagree on the compression and precision setting: fraction (rank 0: 0.05, rank 1: 0.1)" in out["mismatch"]
         assert "compression (rank 0: 'on', rank 1: 'off')" in out["one_sided"], out["one_sided"]
 
 

@@ -319,4 +319,4 @@ def test_odc_trainer_with_compression(transport):
             # bitmap (1/32) + sketch (1/8) of the selected pieces' dense bytes, plus rounding up
             assert selected < 0.2 * dense_sel, (selected, dense_sel)
             assert wire - selected == dense_wire - dense_sel  # the rest travels as before
-        assert "compression setting" in res["mismatch"] and "fraction" in res["mismatch"], res["mismatch"]
+        assert "compression and precision setting" in res["mismatch"] and "fraction" in res["mismatch"], res["mismatch"]

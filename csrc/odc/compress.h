@@ -40,7 +40,7 @@ struct CompressedRange {
 
 // Per-unit traffic of this rank as a worker (pushes to other owners) and as an owner (decoding).
 struct UnitTraffic {
-  int64_t wire_bytes = 0;         // gradient bytes pushed to other ranks (all of the unit)
+  int64_t wire_bytes = 0;         // gradient bytes pushed to other ranks (all of the unit, as pushed: fp32 or bf16)
   int64_t range_bytes = 0;        // of those, the registered ranges' bytes
   int64_t range_elems = 0;        // elements of registered ranges pushed to other ranks
   int64_t kept_elems = 0;         // of those, the ones kept by sparsification

@@ -37,7 +37,7 @@ class Peer {
   // gather, in two steps so that requests to remote owners travel while local pieces are copied:
   // request_piece asks for this owner's piece of `unit` at version >= `version`; read_piece then
   // stores it at its place in `unit_out` (the whole unit, elements of `type`).
-  virtual Pending request_piece(int /*unit*/, int64_t /*version*/) { return {}; }
+  virtual Pending request_piece(int /*unit*/, int64_t /*version*/, ElemType /*type*/) { return {}; }
   virtual void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) = 0;
   // Adds `count` elements of `src` into this owner's shard of `unit`, from element `offset` on.
   virtual void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
@@ -125,7 +125,7 @@ class TcpPeer : public Peer {
  public:
   TcpPeer(const Core& core, const PeerConfig& cfg);  // connects and checks the layout
   ~TcpPeer() override { close(); }
-  Pending request_piece(int unit, int64_t version) override;
+  Pending request_piece(int unit, int64_t version, ElemType type) override;
   void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
   void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
             std::vector<float>& staging) override;

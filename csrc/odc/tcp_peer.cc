@@ -32,13 +32,15 @@ WireHeader TcpPeer::call(const WireHeader& h, double reply_timeout_s, const std:
   return recv_reply(fd_, name(), reply_timeout_s, what, core_.link_latency);
 }
 
-Peer::Pending TcpPeer::request_piece(int unit, int64_t version) {
+Peer::Pending TcpPeer::request_piece(int unit, int64_t version, ElemType type) {
   Pending held(mu_);
-  send(request(kGather, core_.rank, unit, version));
+  WireHeader h = request(kGather, core_.rank, unit, version);
+  h.elem_type = static_cast<int32_t>(type);  // the owner sends the piece in the type it is wanted in
+  send(h);
   return held;
 }
 
-void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::vector<float>& staging) {
+void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::vector<float>&) {
   // The owner waits for the version; the reply may take up to its timeout.
   // The reply's latency is applied once its data is in (below).
   const WireHeader r = recv_reply(fd_, name(), core_.timeout_s + 5,
@@ -47,28 +49,18 @@ void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::
   core_.layout.piece(unit, rank_, &lo, &n);
   if (r.count != n) throw PeerError("gather: " + name() + " sent a wrong shard size");
   if (n == 0) return tcp::arrive_after(r.sent_at, sizeof(r), core_.link_rate, core_.link_latency);
-  char* dst = unit_out + lo * elem_size(type);
-  if (type == ElemType::kF32) {
-    tcp::recv_within(fd_, dst, static_cast<size_t>(n) * 4, core_.timeout_s, name());
-  } else {
-    staging.resize(static_cast<size_t>(n));
-    tcp::recv_within(fd_, staging.data(), static_cast<size_t>(n) * 4, core_.timeout_s, name());
-    store_from_f32(dst, type, staging.data(), n);
-  }
-  tcp::arrive_after(r.sent_at, static_cast<double>(sizeof(r) + n * 4), core_.link_rate, core_.link_latency);
+  const size_t bytes = static_cast<size_t>(n) * elem_size(type);
+  tcp::recv_within(fd_, unit_out + lo * elem_size(type), bytes, core_.timeout_s, name());
+  tcp::arrive_after(r.sent_at, static_cast<double>(sizeof(r) + bytes), core_.link_rate, core_.link_latency);
 }
 
 void TcpPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
-                   std::vector<float>& staging) {
+                   std::vector<float>&) {
   std::lock_guard<std::mutex> lock(mu_);
-  send(request(kPush, core_.rank, unit, version, count, static_cast<uint64_t>(offset)));
-  const char* data = src;
-  if (type != ElemType::kF32) {
-    staging.resize(static_cast<size_t>(count));
-    load_to_f32(staging.data(), src, type, count);
-    data = reinterpret_cast<const char*>(staging.data());
-  }
-  send_data(data, static_cast<size_t>(count) * 4);
+  WireHeader h = request(kPush, core_.rank, unit, version, count, static_cast<uint64_t>(offset));
+  h.elem_type = static_cast<int32_t>(type);  // sent as computed (bf16: half the bytes); the owner sums in fp32
+  send(h);
+  send_data(src, static_cast<size_t>(count) * elem_size(type));
 }
 
 void TcpPeer::push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) {

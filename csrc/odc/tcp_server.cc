@@ -101,6 +101,7 @@ void TcpServer::serve(int fd) {
   SegmentHeader* seg = core_.seg;
   const Layout& layout = core_.layout;
   bool said_bye = false;
+  std::vector<uint16_t> narrow;  // bf16 pieces on the wire (mixed precision)
   try {
     while (!core_.stop.load()) {
       pollfd p{fd, POLLIN, 0};
@@ -145,7 +146,13 @@ void TcpServer::serve(int fd) {
           int64_t lo, n;
           layout.piece(h.unit, core_.rank, &lo, &n);
           r.count = n;
-          out.send(r, seg->master(h.unit), static_cast<size_t>(n) * 4);
+          if (h.elem_type == static_cast<int32_t>(ElemType::kBF16)) {  // mixed precision: half the bytes
+            narrow.resize(static_cast<size_t>(n));
+            store_from_f32(narrow.data(), ElemType::kBF16, seg->master(h.unit), n);
+            out.send(r, narrow.data(), static_cast<size_t>(n) * 2);
+          } else {
+            out.send(r, seg->master(h.unit), static_cast<size_t>(n) * 4);
+          }
           break;
         }
         case kPush: {
@@ -153,15 +160,23 @@ void TcpServer::serve(int fd) {
           if (!known_unit || h.count < 0 || offset < 0 || offset + h.count > layout.shards[h.unit])
             throw PeerError("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
                             " elements at " + std::to_string(offset) + ")");
+          const bool bf16 = h.elem_type == static_cast<int32_t>(ElemType::kBF16);
+          const size_t esize = bf16 ? 2 : 4;
           int64_t got = 0;
           do {  // in slot-sized chunks
             const int64_t chunk = std::min(layout.slot_elems, h.count - got);
             core_.wait_slot_free(seg, client, nullptr, "draining the receive slot of " + out.peer());
             // A chunk is marked full only after every byte arrived: a client that dies mid-chunk
-            // leaves the accumulator without it.
-            tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_.timeout_s,
-                             out.peer());
-            tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + (got + chunk) * 4), core_.link_rate,
+            // leaves the accumulator without it. bf16 arrives beside the slot and is widened into it.
+            if (bf16) {
+              narrow.resize(static_cast<size_t>(chunk));
+              tcp::recv_within(fd, narrow.data(), static_cast<size_t>(chunk) * 2, core_.timeout_s, out.peer());
+              load_to_f32(seg->slot_data(client), narrow.data(), ElemType::kBF16, chunk);
+            } else {
+              tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_.timeout_s,
+                               out.peer());
+            }
+            tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + (got + chunk) * esize), core_.link_rate,
                               core_.link_latency);
             seg->raise_slot(client, h.unit, h.version, chunk, kSlotHost, offset + got);
             got += chunk;

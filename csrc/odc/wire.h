@@ -33,6 +33,8 @@ struct WireHeader {
   double value;
   int64_t sketch_width;  // kPushSketch
   uint64_t sketch_seed;
+  int32_t elem_type;  // kGather / kPush: the element type on the wire (ElemType: fp32, or bf16 under mixed precision)
+  int32_t reserved;
   double sent_at;  // now_seconds() at sending: the receiver of an emulated link holds it until sent_at + latency
 };
 

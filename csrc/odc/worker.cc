@@ -36,7 +36,7 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
   std::vector<Peer*> local;
   std::vector<std::pair<Peer*, Peer::Pending>> remote;  // releases the connections on any exit
   for (Peer* p : owners(0, route)) {
-    Peer::Pending pending = p->request_piece(unit, version);
+    Peer::Pending pending = p->request_piece(unit, version, type);
     if (pending.owns_lock()) remote.emplace_back(p, std::move(pending));
     else local.push_back(p);
   }
@@ -88,7 +88,7 @@ void Runtime::push_piece(Peer* p, int unit, int64_t version, int64_t owner_lo, i
   const bool remote = p->rank() != rank();
   if (comp.empty() || n == 0) {
     p->push(unit, version, a - owner_lo, src, type, n, staging);
-    if (remote) comp.count_push(unit, n * 4, nullptr, n, n);
+    if (remote) comp.count_push(unit, n * static_cast<int64_t>(elem_size(type)), nullptr, n, n);
     return;
   }
   const size_t esize = elem_size(type);
@@ -98,7 +98,7 @@ void Runtime::push_piece(Peer* p, int unit, int64_t version, int64_t owner_lo, i
     // My own slice never travels: it stays dense (and exact).
     if (r == nullptr || !r->compress || !remote) {
       p->push(unit, version, lo - owner_lo, at, type, hi - lo, staging);
-      if (remote) comp.count_push(unit, (hi - lo) * 4, r, hi - lo, hi - lo);
+      if (remote) comp.count_push(unit, (hi - lo) * static_cast<int64_t>(elem_size(type)), r, hi - lo, hi - lo);
       return;
     }
     const int64_t step = Compressor::chunk_elems(*r, core_->layout.slot_elems * 4);

@@ -55,6 +55,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--compress", default="none", help="TAGC gradient compression: none, default (the big non-attention "
                                          "matrices, kept fraction 0.05, sketch ratio 10) or key=value pairs "
                                          "over fraction, ratio, min_elems, seed")
+    a("--precision", default="fp32", choices=("fp32", "bf16"),
+      help="bf16: gather, compute and send gradients in bf16 (fp32 master shards, optimizer, sums)")
     a("--transport", default="auto", help="ODC transport between ranks: auto, shm or tcp")
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
@@ -196,7 +198,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
         "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
                       cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None,
-                      compress=parse_compression(args.compress), **odc_kwargs)
+                      compress=parse_compression(args.compress), precision=args.precision, **odc_kwargs)
     with trainer:
         ck = checkpoint_dir(args, run, n_runs)
         if args.resume and checkpoint.exists(ck):

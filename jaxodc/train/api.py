@@ -38,7 +38,7 @@ from jaxodc.train.core import ShardedTrainer, check_same, train_loop
 from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
 from jaxodc.balance.packing import pack
-from jaxodc.train.program import Program, program_of
+from jaxodc.train.program import Program, compute_dtype_of, program_of
 from jaxodc.train.units import Layout, StagedModel
 
 
@@ -88,14 +88,15 @@ class ShardedStep:
     """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc",
-                 compress: Compression | None = None, unit_policy: dict | None = None):
+                 compress: Compression | None = None, unit_policy: dict | None = None, precision: str = "fp32"):
         validate_run(comm, None)
+        compute_dtype_of(precision)  # checked here, before any rank starts
         if not hasattr(optimizer, "update"):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if compress is not None and not isinstance(compress, Compression):
             raise TypeError(f"compress must be a jaxodc.compress.Compression or None, got {type(compress).__name__}")
         self.model, self.optimizer, self.comm, self.compress = model, optimizer, comm, compress
-        self.unit_policy = dict(unit_policy or {})
+        self.unit_policy, self.precision = dict(unit_policy or {}), precision
         self._programs: dict = {}
 
     def program(self, params, world: int, example_batch=None) -> Program:
@@ -125,7 +126,7 @@ class ShardedStep:
                                             jax.eval_shape(self.optimizer.init, shapes))
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
                 "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
-                **setting_of(self.compression_plan(params, world, example_batch))}
+                **setting_of(self.compression_plan(params, world, example_batch)), "precision": self.precision}
 
     def init(self, params, *, ctx=None, runtime=None, check: bool = True, example_batch=None,
              **runtime_kwargs) -> ShardedTrainer:
@@ -153,25 +154,28 @@ class ShardedStep:
                                    "jaxodc.launch.init_jax_distributed(ctx) before using jax")
             world = jax.device_count()
             return CollectiveTrainer(self.program(params, world, example_batch), self.optimizer, params,
-                                     compress=self.compression_plan(params, world, example_batch))
+                                     compress=self.compression_plan(params, world, example_batch),
+                                     precision=self.precision)
         world = runtime.world if runtime is not None else ctx.world if ctx is not None else None
         if world is None:
             raise ValueError("comm='odc' needs ctx= (jaxodc.launch.Context) or runtime=")
         program = self.program(params, world, example_batch)
         plan = self.compression_plan(params, world, example_batch)
         if runtime is not None:
-            return OdcTrainer(program, self.optimizer, params, runtime, compress=plan)
+            return OdcTrainer(program, self.optimizer, params, runtime, compress=plan, precision=self.precision)
         from jaxodc.odc import Runtime
         runtime = Runtime.create([u.padded for u in program.layout.units], ctx, **runtime_kwargs)
         try:
-            return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan)
+            return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan,
+                              precision=self.precision)
         except BaseException:
             runtime.close(barrier=False)
             raise
 
 
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
-                 comm: str = "odc", compress: Compression | None = None, unit_policy: dict | None = None):
+                 comm: str = "odc", compress: Compression | None = None, unit_policy: dict | None = None,
+                 precision: str = "fp32"):
     """The sharded trainer builder for a model or a per-unit function.
 
     Args:
@@ -187,6 +191,8 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       compress: TAGC gradient compression (`jaxodc.compress.Compression`), None for none.
       unit_policy: for a loss function, `train.discover.discover_units`' options (units=,
         stacked=, frozen=, max_unit_bytes=).
+      precision: "fp32" or "bf16": FSDP2's mixed precision -- fp32 master shards and optimizer,
+        units gathered and computed in bf16, gradients sent in bf16 and summed in fp32.
 
     Returns:
       A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
@@ -197,10 +203,10 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
     """
     if fn is None:
         return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm, compress=compress,
-                                 unit_policy=unit_policy)
+                                 unit_policy=unit_policy, precision=precision)
     if optimizer is None:
         raise ValueError("sharded_step needs optimizer= (an optax.GradientTransformation)")
-    return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy)
+    return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy, precision)
 
 
 def _digest(x) -> str:
@@ -233,6 +239,7 @@ class Trainer:
       compress: TAGC gradient compression (`jaxodc.compress.Compression`: which parameters, kept
         fraction, sketch ratio), None for none; records then report wire bytes, kept fraction and
         peeled / estimated counts.
+      precision: "fp32" or "bf16" (mixed precision, see `sharded_step`).
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
         link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
@@ -245,7 +252,7 @@ class Trainer:
     def __init__(self, model, optimizer: optax.GradientTransformation, *, comm: str = "odc",
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
-                 compress: Compression | None = None, **runtime_kwargs):
+                 compress: Compression | None = None, precision: str = "fp32", **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -264,7 +271,7 @@ class Trainer:
                 if not hasattr(model, "init"):
                     raise ValueError("a loss function needs params= (its initial parameters)")
                 params = model.init(jax.random.PRNGKey(seed))
-            self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress)
+            self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress, precision=precision)
             # a loss function is traced on one packed microbatch (the batches fit() feeds it)
             example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens).as_dict()
             if ctx.world > 1:

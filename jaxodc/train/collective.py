@@ -20,7 +20,7 @@ from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_redu
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatches_for,
                                optimizer_step, plan_global_tokens)
-from jaxodc.train.program import program_of
+from jaxodc.train.program import compute_dtype_of, program_of
 
 AXIS = "d"
 
@@ -41,8 +41,12 @@ def _carrier_to_counts(carrier: jax.Array) -> jax.Array:
     return (digits[..., 0] << _DIGIT) + digits[..., 1]
 
 
-def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None) -> GatherFn:
+def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None,
+                      compute_dtype=jnp.float32) -> GatherFn:
     """all_gather forward, psum_scatter backward: the gradient of the local shard is the sum over ranks.
+
+    The unit travels and is returned in `compute_dtype` (bf16 under mixed precision: half the
+    bytes both ways); the shard's gradient comes back in fp32.
 
     Units named in `exchanges` travel compressed in the backward pass (compress.collective). Their
     `shard` argument is the triple (shard, residual, carrier): the cotangent returned for the
@@ -53,26 +57,26 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
 
     @jax.custom_vjp
     def gather(shard):
-        return jax.lax.all_gather(shard, axis, tiled=True)
+        return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
 
     def fwd(shard):
         return gather(shard), None
 
     def bwd(_, ct):
-        return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True),)
+        return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32),)
 
     gather.defvjp(fwd, bwd)
 
     def compressed(ex: UnitExchange):
         @jax.custom_vjp
         def cgather(shard, residual, carrier):
-            return jax.lax.all_gather(shard, axis, tiled=True)
+            return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
 
         def cfwd(shard, residual, carrier):
             return cgather(shard, residual, carrier), residual
 
         def cbwd(residual, ct):
-            grad, residual, counts = compressed_reduce_scatter(ct, residual, ex, axis)
+            grad, residual, counts = compressed_reduce_scatter(ct.astype(jnp.float32), residual, ex, axis)
             return grad, residual, _counts_to_carrier(counts)
 
         cgather.defvjp(cfwd, cbwd)
@@ -97,10 +101,12 @@ class CollectiveTrainer(ShardedTrainer):
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
-                 compress: CompressionPlan | None = None, example_batch=None, **unit_policy):
+                 compress: CompressionPlan | None = None, example_batch=None, precision: str = "fp32",
+                 **unit_policy):
         if jax.local_device_count() != 1:
             raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
         self.model, self.optimizer = model, optimizer
+        self.precision, compute_dtype = precision, compute_dtype_of(precision)
         self.world, self.rank = jax.device_count(), jax.process_index()
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devs), (AXIS,))
@@ -116,7 +122,7 @@ class CollectiveTrainer(ShardedTrainer):
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
         if check:
             self.check_same({"layout fingerprint": self.layout.fingerprint()}, "parameter layout")
-            self.check_same(setting_of(compress), "compression setting")
+            self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
         self.compress = compress
         self.exchanges = exchanges = self._exchanges(compress)  # unit name -> its static compressed exchange
         self.gradient_wire = {n: exchanges[n].wire if n in exchanges else
@@ -134,7 +140,7 @@ class CollectiveTrainer(ShardedTrainer):
         self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
 
         self.residuals = self._zero_residuals()
-        grad_fn = self.program.grad(collective_gather(AXIS, exchanges))
+        grad_fn = self.program.grad(collective_gather(AXIS, exchanges, compute_dtype), compute_dtype)
         no_counts = jnp.zeros((3, 2), jnp.float32)
 
         def mb_step(shards, residuals, acc, counts, consts, batch, ntok):

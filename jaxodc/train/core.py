@@ -27,7 +27,7 @@ from jaxodc.balance.packing import bucket, loss_tokens, pack
 from jaxodc.balance.plan import Plan, make_plan, validate_run
 from jaxodc.optim.clipping import global_reduction
 from jaxodc.train.metrics import MinibatchRecord, Progress
-from jaxodc.train.units import Layout, UnitSpec, unflatten_unit
+from jaxodc.train.units import Layout, UnitSpec, gathered_params
 
 class ConfigMismatchError(ValueError):
     """Ranks were configured differently (the message names each field and every rank's value)."""
@@ -100,7 +100,7 @@ def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: d
     carry = None
     for spec in layout.units:
         def stage(shard, carry, batch, gather_arg, spec=spec):
-            return model.apply_unit(spec.name, unflatten_unit(spec, gather(shard, spec, gather_arg)), carry, batch)
+            return model.apply_unit(spec.name, gathered_params(spec, gather(shard, spec, gather_arg)), carry, batch)
 
         carry = remat_stage(stage)(shards[spec.name], carry, batch, gather_arg)
     return jnp.sum(carry) / global_tokens

@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 
 from jaxodc.train.core import GatherFn, remat_stage
 from jaxodc.train.discover import ParamPlan, _trainable, discover_units
-from jaxodc.train.units import unflatten_unit
+from jaxodc.train.units import gathered_params
 
 # Call-like primitives whose body is spliced into the op list: a scan over stacked layers, or a
 # parameter use, may sit inside them. Our stages remat anyway, so an inner checkpoint adds nothing.
@@ -263,8 +263,12 @@ class _Program:
     out_tree: Any
 
 
-def _trace(loss_fn, plan: ParamPlan, batch_avals, batch_tree, detect: dict | None = None) -> _Program:
-    avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
+def _trace(loss_fn, plan: ParamPlan, batch_avals, batch_tree, detect: dict | None = None,
+           compute_dtype=None) -> _Program:
+    # Gathered leaves arrive in the compute dtype (mixed precision): the loss is traced with them so.
+    avals = [jax.ShapeDtypeStruct(s, compute_dtype if compute_dtype is not None and p.kind != "const"
+                                  and jnp.issubdtype(jnp.dtype(d), jnp.floating) else d)
+             for s, d, p in zip(plan.shapes, plan.dtypes, plan.places)]
 
     def flat_loss(leaves, batch_leaves):
         params = jax.tree_util.tree_unflatten(plan.treedef, leaves)
@@ -312,7 +316,7 @@ def plan_for(loss_fn, params, batch, world: int, **policy) -> ParamPlan:
     return discover_units(params, world, **policy)
 
 
-def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Callable:
+def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, compute_dtype=None) -> Callable:
     """loss_fn(params, batch) -> fn(shards, consts, batch, gather_arg) with the same outputs.
 
     Args:
@@ -320,6 +324,7 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
         e.g. (loss, aux)); traced once per batch shape signature.
       plan: discover_units / plan_for of the params' structure.
       gather: the trainer's GatherFn, gather(shard [Kp/W], UnitSpec, gather_arg) -> unit.
+      compute_dtype: the dtype `gather` returns units in, when not their own (mixed precision).
 
     The returned fn takes `shards` {unit name: fp32 shard} (the layout's), `consts` the plan's
     constant leaves (discover.const_leaves), the batch and the gather_arg (ODC: the version).
@@ -331,7 +336,8 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
     def program(batch_leaves, batch_tree) -> _Program:
         sig = (batch_tree, tuple((tuple(np.shape(x)), jax.typeof(x).dtype) for x in batch_leaves))
         if sig not in cache:
-            cache[sig] = _trace(loss_fn, plan, [jax.ShapeDtypeStruct(s, d) for s, d in sig[1]], batch_tree)
+            cache[sig] = _trace(loss_fn, plan, [jax.ShapeDtypeStruct(s, d) for s, d in sig[1]], batch_tree,
+                                compute_dtype=compute_dtype)
         return cache[sig]
 
     def fn(shards, consts, batch, gather_arg=None):
@@ -341,7 +347,7 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
         _run_ops(prog.prologue, env)
         for st in prog.stages:
             def stage(shard, carry, _batch, garg, st=st):
-                params = {u: unflatten_unit(specs[u], gather(s, specs[u], garg)) for u, s in zip(st.units, shard)}
+                params = {u: gathered_params(specs[u], gather(s, specs[u], garg)) for u, s in zip(st.units, shard)}
                 local = dict(zip(st.ins, carry))
                 _run_ops(st.ops, local, params)
                 return tuple(local[k] for k in st.outs)
@@ -360,14 +366,17 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn) -> Calla
     return fn
 
 
-def microbatch_grad_any(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, has_aux: bool = False) -> Callable:
+def microbatch_grad_any(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, has_aux: bool = False,
+                        compute_dtype=None) -> Callable:
     """core.microbatch_grad for any loss_fn: fn(shards, consts, batch, global_tokens, gather_arg) ->
     (loss / global_tokens, grads w.r.t. the local shards), or ((loss, aux), grads) with has_aux.
     `loss_fn` returns the microbatch's *sum* of per-token losses (jaxodc's loss contract)."""
-    staged = gather_on_use(loss_fn, plan, gather)
+    staged = gather_on_use(loss_fn, plan, gather, compute_dtype)
 
     def loss(shards, consts, batch, global_tokens, gather_arg):
         out = staged(shards, consts, batch, gather_arg)
-        return (out[0] / global_tokens, out[1]) if has_aux else out / global_tokens
+        if has_aux:
+            return out[0].astype(jnp.float32) / global_tokens, out[1]
+        return out.astype(jnp.float32) / global_tokens
 
     return jax.value_and_grad(loss, has_aux=has_aux)

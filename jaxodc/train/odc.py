@@ -18,7 +18,7 @@ from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_step, optimizer_updates,
                                plan_global_tokens)
-from jaxodc.train.program import program_of
+from jaxodc.train.program import compute_dtype_of, program_of
 
 
 class OdcRuntime(Protocol):
@@ -71,7 +71,8 @@ def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = No
 
     Args:
       runtime: the `jaxodc.odc.Runtime` whose units are the layout's units, registered padded.
-      compute_dtype: the dtype the unit travels in; cast back to fp32 after the copy.
+      compute_dtype: the dtype the unit is gathered and computed in (fp32, or bf16 under mixed
+        precision); its gradient is pushed in it too and accumulated in fp32 by the owner.
       per_leaf: push each parameter's gradient on its own (`odc_gather_pieces`), never
         concatenating a unit's gradient (default: on the CPU backend, where range pushes exist).
 
@@ -79,15 +80,12 @@ def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = No
       gather(shard, spec, version) -> the unit, flat or cut into its leaves.
     """
     per_leaf = jax.default_backend() == "cpu" if per_leaf is None else bool(per_leaf)
-    f32 = lambda x: x.astype(jnp.float32) if x.dtype != jnp.float32 else x  # noqa: E731
 
     def gather(shard, spec, version):
         if per_leaf:
-            return tuple(f32(x) for x in odc_gather_pieces(shard, version, runtime=runtime, unit=spec.index,
-                                                           numel=spec.padded, pieces=spec.leaf_pieces(),
-                                                           dtype=compute_dtype))
-        return f32(odc_gather(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded,
-                              dtype=compute_dtype))
+            return odc_gather_pieces(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded,
+                                     pieces=spec.leaf_pieces(), dtype=compute_dtype)
+        return odc_gather(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded, dtype=compute_dtype)
 
     return gather
 
@@ -118,6 +116,8 @@ class OdcTrainer(ShardedTrainer):
         csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
         runtime and are not checkpointed (a restore continues with the residuals it has).
       example_batch: a microbatch to trace a loss function on (program.traced_program).
+      precision: "fp32", or "bf16" (FSDP2's mixed precision: units gathered and computed in bf16,
+        gradients pushed in bf16 and accumulated in fp32 by the owners; masters and optimizer fp32).
       **unit_policy: how a loss function's units are found (train.discover.discover_units).
     """
 
@@ -125,8 +125,9 @@ class OdcTrainer(ShardedTrainer):
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
                  gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None,
-                 example_batch=None, **unit_policy):
+                 example_batch=None, precision: str = "fp32", **unit_policy):
         self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
+        self.precision, compute_dtype = precision, compute_dtype_of(precision)
         self.world, self.rank = runtime.world, runtime.rank
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts
@@ -134,7 +135,7 @@ class OdcTrainer(ShardedTrainer):
         self._register_ranges(compress)
         shards = {n: jnp.asarray(s) for n, s in self.program.shard(params, self.rank).items()}
         self.opt_state = optimizer.init(shards)
-        grad_fn = self.program.grad(gather or odc_gather_fn(runtime))
+        grad_fn = self.program.grad(gather or odc_gather_fn(runtime, compute_dtype), compute_dtype)
         def mb_step(s, c, b, n, v):
             # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
             # returned so the backward pass stays live and ordered before the result, without
@@ -168,7 +169,7 @@ class OdcTrainer(ShardedTrainer):
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
         self._rt_base = 0
-        self.check_same(setting_of(compress), "compression setting")
+        self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
         self._traffic_seen = self._traffic()
         self._publish(shards, 0)
 

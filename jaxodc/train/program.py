@@ -25,8 +25,9 @@ import numpy as np
 from jaxodc.train.core import GatherFn, microbatch_grad
 from jaxodc.train.units import Layout, make_layout, shard_params, unshard_params
 
-# gather -> fn(shards, consts, batch, global_count, gather_arg) -> (loss, grads w.r.t. shards)
-GradBuilder = Callable[[GatherFn], Callable]
+# (gather, compute dtype) -> fn(shards, consts, batch, global_count, gather_arg) -> (loss, grads w.r.t.
+# shards); the gather returns units in the compute dtype (fp32, or bf16 under mixed precision).
+GradBuilder = Callable[[GatherFn, Any], Callable]
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ def staged_program(model, params: Mapping, world: int) -> Program:
     """The program of a unit-staged model: one unit per top-level key of `params`."""
     layout = make_layout(params, world, order=model.unit_names)
 
-    def grad(gather: GatherFn):
-        g = microbatch_grad(model, layout, gather)
+    def grad(gather: GatherFn, compute_dtype=jnp.float32):
+        g = microbatch_grad(model, layout, gather)  # stages take the gathered dtype as it comes
         return lambda shards, consts, batch, count, gather_arg: g(shards, batch, count, gather_arg)
 
     return Program(layout, (), grad, lambda p, rank: shard_params(layout, p, rank),
@@ -95,9 +96,21 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, **polic
     loss = _checked_loss(loss_fn)
     plan = plan_for(loss, params, example_batch, world, **policy)
     consts = tuple(jnp.asarray(x) for x in const_leaves(plan, params))
-    return Program(plan.layout, consts, lambda gather: microbatch_grad_any(loss, plan, gather),
+    return Program(plan.layout, consts,
+                   lambda gather, compute_dtype=jnp.float32: microbatch_grad_any(loss, plan, gather,
+                                                                                 compute_dtype=compute_dtype),
                    lambda p, rank: shard_tree(plan, p, rank),
                    lambda shards: unshard_tree(plan, shards, list(consts)), "traced")
+
+
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def compute_dtype_of(precision: str):
+    """The dtype units are gathered and computed in under `precision` ("fp32" or "bf16")."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
 
 
 def program_of(model, params, world: int, *, example_batch=None, **policy) -> Program:

@@ -143,9 +143,10 @@ def flatten_unit(spec: UnitSpec, tree) -> jax.Array:
     return jnp.pad(flat, (0, spec.padded - spec.numel))
 
 
-def unflatten_unit(spec: UnitSpec, flat, dtype=None) -> Any:
-    """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own). `flat`
-    may also be the unit already cut at `spec.leaf_pieces()` (a tuple of flat leaves)."""
+def unflatten_unit(spec: UnitSpec, flat, dtype=None, compute_dtype=None) -> Any:
+    """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own; with
+    `compute_dtype`, the float leaves to it instead -- mixed precision computes in it). `flat` may
+    also be the unit already cut at `spec.leaf_pieces()` (a tuple of flat leaves)."""
     if isinstance(flat, (tuple, list)):
         sizes = [n for _, n in spec.leaf_pieces()]
         if [int(np.size(x)) for x in flat] != sizes:
@@ -155,8 +156,20 @@ def unflatten_unit(spec: UnitSpec, flat, dtype=None) -> Any:
         raise ValueError(f"unit {spec.name!r}: flat shape {flat.shape}, expected ({spec.numel},) or ({spec.padded},)")
     else:
         pieces = [flat[o:o + n] for o, n in spec.leaf_pieces()]
+
+    def cast(dt):
+        if compute_dtype is not None and jnp.issubdtype(jnp.dtype(dt), jnp.floating):
+            return compute_dtype
+        return dtype or dt
     return jax.tree_util.tree_unflatten(
-        spec.treedef, [x.reshape(shp).astype(dtype or dt) for x, shp, dt in zip(pieces, spec.shapes, spec.dtypes)])
+        spec.treedef, [x.reshape(shp).astype(cast(dt)) for x, shp, dt in zip(pieces, spec.shapes, spec.dtypes)])
+
+
+def gathered_params(spec: UnitSpec, gathered) -> Any:
+    """A gather's result (flat, or cut into leaves) as the unit's subtree, its float leaves in the
+    dtype the unit was gathered in (the compute dtype: fp32, or bf16 under mixed precision)."""
+    first = gathered[0] if isinstance(gathered, (tuple, list)) else gathered
+    return unflatten_unit(spec, gathered, compute_dtype=first.dtype)
 
 
 def shard_params(layout: Layout, params: Mapping[str, Any], rank: int) -> dict[str, np.ndarray]:
