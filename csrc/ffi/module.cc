@@ -7,7 +7,7 @@
 namespace nb = nanobind;
 
 NB_MODULE(_C, m) {
-  m.doc() = "jaxodc native extension: ODC runtime, ring all-reduce, hashing, gradient sketch, FFI handlers";
+  m.doc() = "jaxodc native extension: ODC runtime, ring all-reduce, hashing, gradient sketch, lock-step collectives, FFI handlers";
   // A process that dies of a Python exception may still hold native objects (in daemon threads,
   // in the traceback): nanobind would bury the exception under "leaked instance" lines.
   nb::set_leak_warnings(false);
@@ -17,6 +17,7 @@ NB_MODULE(_C, m) {
   jaxodc::bind_hash(m, targets);
   jaxodc::bind_attention(m, targets);
   jaxodc::bind_sketch(m, targets);
+  jaxodc::bind_lockstep(m, targets);
 #ifdef JAXODC_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

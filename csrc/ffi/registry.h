@@ -25,5 +25,6 @@ void bind_ring(nb::module_& m, nb::dict& targets);
 void bind_hash(nb::module_& m, nb::dict& targets);
 void bind_attention(nb::module_& m, nb::dict& targets);
 void bind_sketch(nb::module_& m, nb::dict& targets);
+void bind_lockstep(nb::module_& m, nb::dict& targets);
 
 }  // namespace jaxodc

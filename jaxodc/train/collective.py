@@ -1,11 +1,13 @@
-"""comm="collective": the FSDP baseline with per-unit `all_gather` / `psum_scatter` (gloo on CPU,
-NCCL on GPU) in lock-step over a 1-D mesh of all processes' devices."""
+"""comm="collective": the FSDP baseline with per-unit `all_gather` / `psum_scatter` in lock-step over a
+1-D mesh of all processes' devices. transport="gloo": jax's own collectives (gloo on CPU, NCCL on
+GPU); transport="jaxodc": the same collectives over jaxodc's shm / tcp paths (`LockstepGroup`), the
+transport ODC uses, so that comparing the two measures the protocol rather than gloo."""
 from __future__ import annotations
 
 import functools
 import hashlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,8 @@ from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatche
 from jaxodc.train.program import compute_dtype_of, program_of
 
 AXIS = "d"
+TRANSPORTS = ("gloo", "jaxodc")
+_HOST_WORDS = 1024  # the lockstep channel of allgather_bytes: [length, payload...] in float32 words
 
 
 # Decode counts of a compressed unit leave its backward pass as the "cotangent" of a float32 [3, 2]
@@ -86,6 +90,52 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     return lambda shard, spec, ctx: special[spec.name](*shard) if spec.name in special else gather(shard)
 
 
+def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherFn:
+    """`collective_gather` over a `LockstepGroup`: unit name -> its channels (forward gather,
+    backward re-gather, reduce-scatter); all-gather forward, reduce-scatter (the sum over ranks, in
+    rank order) backward.
+
+    The forward pass's gather (the custom_vjp's primal) and the backward pass's re-gather (its fwd
+    rule, which core.remat_stage's backward runs) use separate channels: nothing orders them (the last
+    unit's re-gather needs nothing from its forward), and calls on one channel must not overlap."""
+    from jaxodc.ops.lockstep import lockstep_collective
+
+    def unit_gather(forward: int, regather: int, scatter: int):
+        @jax.custom_vjp
+        def gather(shard):
+            return lockstep_collective(shard, group=group, channel=forward)
+
+        def fwd(shard):
+            return lockstep_collective(shard, group=group, channel=regather), None
+
+        def bwd(_, ct):
+            return (lockstep_collective(ct, group=group, channel=scatter),)
+
+        gather.defvjp(fwd, bwd)
+        return gather
+
+    per_unit = {name: unit_gather(*chs) for name, chs in channels.items()}
+    return lambda shard, spec, ctx: per_unit[spec.name](shard)
+
+
+def lockstep_sum(group, channel: int) -> Callable[[jax.Array], jax.Array]:
+    """A scalar all-sum over `group`'s reduce channel `channel` (psum's replacement). Calls on one
+    channel must not overlap, so each call of one traced function waits for the previous one's
+    result (an optimization barrier): make a fresh one per trace."""
+    from jaxodc.ops.lockstep import lockstep_collective
+
+    prev = []
+
+    def total(x):
+        if prev:
+            x, _ = jax.lax.optimization_barrier((x, prev[-1]))
+        y = lockstep_collective(jnp.reshape(x, (1,)).astype(jnp.float32), group=group, channel=channel)
+        prev.append(y)
+        return jnp.reshape(y, jnp.shape(x)).astype(x.dtype)
+
+    return total
+
+
 class CollectiveTrainer(ShardedTrainer):
     """comm="collective": one jitted shard_map step per microbatch over a 1-D mesh of all
     processes' devices (one device per process), all_gather / psum_scatter per unit; every rank
@@ -96,13 +146,24 @@ class CollectiveTrainer(ShardedTrainer):
     every rank the same (checked). Each rank then keeps an error-feedback residual per compressed
     unit (not checkpointed: restoring starts from zero residuals). StepResult.wire_bytes and, with
     compression, wire_bytes_selected / peeled / estimated report each minibatch's exchange;
-    `gradient_wire` holds the per-unit, per-microbatch bytes they are counted from."""
+    `gradient_wire` holds the per-unit, per-microbatch bytes they are counted from.
+
+    `transport`: "gloo" (jax's collectives) or "jaxodc": every per-unit all-gather / reduce-scatter,
+    the loss and optimizer all-sums and `allgather_bytes` (the per-minibatch agreement checks) run
+    over a `jaxodc.comm.lockstep.LockstepGroup` (shm on one host, tcp across hosts; `lockstep`:
+    its keyword arguments, e.g. link="tcp", timeout_s). jax.distributed is still needed (the mesh,
+    and setting the group up). Compression runs on jax's collectives only."""
 
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
-                 compress: CompressionPlan | None = None, example_batch=None, precision: str = "fp32",
-                 **unit_policy):
+                 compress: CompressionPlan | None = None, transport: str = "gloo", lockstep: dict | None = None,
+                 example_batch=None, precision: str = "fp32", **unit_policy):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"CollectiveTrainer: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "jaxodc" and compress is not None:
+            raise ValueError("CollectiveTrainer: TAGC compression (compress=) runs on jax's collectives only; "
+                             "use transport='gloo' with it, or drop compress for transport='jaxodc'")
         if jax.local_device_count() != 1:
             raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
         self.model, self.optimizer = model, optimizer
@@ -120,8 +181,10 @@ class CollectiveTrainer(ShardedTrainer):
         smap = lambda f, i, o: jax.shard_map(f, mesh=self.mesh, in_specs=i, out_specs=o, check_vma=False)
 
         self._gather_ints = jax.jit(smap(lambda x: jax.lax.all_gather(x, AXIS, tiled=True), (P(AXIS),), P()))
+        self.transport, self.group = transport, None
         if check:
             self.check_same({"layout fingerprint": self.layout.fingerprint()}, "parameter layout")
+            self.check_same({"transport": transport}, "collective transport")
             self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
         self.compress = compress
         self.exchanges = exchanges = self._exchanges(compress)  # unit name -> its static compressed exchange
@@ -140,7 +203,14 @@ class CollectiveTrainer(ShardedTrainer):
         self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
 
         self.residuals = self._zero_residuals()
-        grad_fn = self.program.grad(collective_gather(AXIS, exchanges, compute_dtype), compute_dtype)
+        if transport == "jaxodc":
+            gather, new_sum = self._lockstep(lockstep or {})
+            # the lockstep channels carry fp32; mixed precision computes in bf16 after the gather
+            gather = (lambda g: lambda shard, spec, ctx: g(shard, spec, ctx).astype(compute_dtype))(gather)
+        else:
+            gather = collective_gather(AXIS, exchanges, compute_dtype)
+            new_sum = lambda _: (lambda x: jax.lax.psum(x, AXIS))  # noqa: E731
+        grad_fn = self.program.grad(gather, compute_dtype)
         no_counts = jnp.zeros((3, 2), jnp.float32)
 
         def mb_step(shards, residuals, acc, counts, consts, batch, ntok):
@@ -151,10 +221,10 @@ class CollectiveTrainer(ShardedTrainer):
             for n in residuals:
                 counts = counts + _carrier_to_counts(g[n][2])
             return (jax.tree_util.tree_map(jnp.add, acc, grads), {n: g[n][1] for n in residuals}, counts,
-                    jax.lax.psum(loss, AXIS))
+                    new_sum("loss")(loss))
 
         def opt_step(shards, state, acc):
-            return optimizer_step(optimizer, shards, state, acc, lambda x: jax.lax.psum(x, AXIS))
+            return optimizer_step(optimizer, shards, state, acc, new_sum("optimizer"))
 
         res_sh = {n: P(AXIS) for n in self.residuals}
         const_sh = tuple(P() for _ in self.consts)
@@ -163,6 +233,29 @@ class CollectiveTrainer(ShardedTrainer):
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
         self.version = 0
+
+    def _lockstep(self, kwargs: dict):
+        """Builds the lockstep group (two gather channels and a scatter channel per unit, the loss and optimizer
+        all-sums, allgather_bytes' channel); returns (the gather, sum name -> a fresh all-sum)."""
+        from jaxodc.comm.lockstep import Channel, LockstepGroup
+        channels, units = [], {}
+        for n in self.layout.names:
+            units[n] = (len(channels), len(channels) + 1, len(channels) + 2)
+            channels += [Channel("gather", self.layout[n].shard, f"{n} all_gather"),
+                         Channel("gather", self.layout[n].shard, f"{n} all_gather (backward)"),
+                         Channel("scatter", self.layout[n].shard, f"{n} reduce_scatter")]
+        sums = {"loss": len(channels), "optimizer": len(channels) + 1}
+        channels += [Channel("reduce", 1, "loss all-sum"), Channel("reduce", 1, "optimizer all-sums")]
+        self._host_channel = len(channels)
+        channels.append(Channel("gather", _HOST_WORDS, "allgather_bytes"))
+        self.group = LockstepGroup(channels, rank=self.rank, world=self.world, allgather=self.allgather_bytes, **kwargs)
+        return lockstep_gather(self.group, units), lambda name: lockstep_sum(self.group, sums[name])
+
+    def close(self, barrier: bool = True) -> None:
+        """Closes the lockstep group (transport="jaxodc")."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def _exchanges(self, plan: CompressionPlan | None) -> dict[str, UnitExchange]:
         if plan is None:
@@ -182,7 +275,17 @@ class CollectiveTrainer(ShardedTrainer):
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's bytes (two collectives: the lengths, then the data padded to a power of two,
-        so few shapes are ever compiled)."""
+        so few shapes are ever compiled; with the lockstep group, one call of its host channel when
+        every rank's bytes fit)."""
+        if self.group is not None:
+            words = np.zeros(_HOST_WORDS, np.float32)
+            fits = len(data) <= 4 * (_HOST_WORDS - 1)
+            words[0] = len(data) if fits else -1  # a float holds any length that fits exactly
+            if fits:
+                words[1:].view(np.uint8)[:len(data)] = np.frombuffer(data, np.uint8)
+            got = self.group.run(self._host_channel, words).reshape(self.world, _HOST_WORDS)
+            if (got[:, 0] >= 0).all():  # bit patterns travel untouched (copies, no arithmetic)
+                return [got[r, 1:].view(np.uint8)[:int(got[r, 0])].tobytes() for r in range(self.world)]
         n = self._allgather_i32(np.array([len(data)], np.int32)).reshape(self.world)
         width = 1 << max(int(n.max()) - 1, 0).bit_length()
         buf = np.zeros(width, np.uint8)

@@ -1,0 +1,461 @@
+// The lock-step group: its segment, connecting to the peers, calls (post, consume, finish) and the
+// progress thread that finishes calls whose peers were late.
+#include "lockstep/group.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <future>
+
+#include "common/handles.h"
+#include "lockstep/internal.h"
+#include "odc/segment.h"  // pid_alive
+
+namespace jaxodc::lockstep {
+
+namespace {
+
+Handles<Group>& live_groups() {
+  static Handles<Group> handles;
+  return handles;
+}
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+const char* kind_name(Kind k) {
+  return k == Kind::kGather ? "all_gather" : k == Kind::kScatter ? "reduce_scatter" : "all_reduce";
+}
+
+}  // namespace
+
+Group* group_by_handle(int64_t handle) { return live_groups().find(handle); }
+
+Segment::~Segment() {
+  if (hdr) munmap(hdr, bytes);
+}
+
+Group::Group(int rank, int world, const std::string& shm_name, const std::vector<ChannelSpec>& channels,
+             double timeout_s, const std::string& listen_host)
+    : rank_(rank), world_(world), timeout_s_(timeout_s), channels_(channels), shm_name_(shm_name) {
+  const std::string who = "lockstep group of rank " + std::to_string(rank);
+  if (world < 1 || rank < 0 || rank >= world)
+    throw Error(who + ": rank outside [0, " + std::to_string(world) + ")");
+  if (channels.empty()) throw Error(who + ": no channels");
+  layout_hash_ = fnv1a(0xcbf29ce484222325ULL, &world, sizeof(world));
+  for (const ChannelSpec& ch : channels) {
+    if (ch.n <= 0) throw Error(who + ": channel '" + ch.name + "' has " + std::to_string(ch.n) + " elements");
+    const int k = static_cast<int>(ch.kind);
+    if (k < 0 || k > 2) throw Error(who + ": channel '" + ch.name + "' has an unknown kind");
+    layout_hash_ = fnv1a(layout_hash_, &k, sizeof(k));
+    layout_hash_ = fnv1a(layout_hash_, &ch.n, sizeof(ch.n));
+  }
+
+  // Segment: header, post table (2 entries per channel), then 2 areas per channel.
+  const int nc = num_channels();
+  size_t off = align_up(kTableOffset + sizeof(PostEntry) * 2 * nc, 64);
+  std::vector<uint64_t> offsets;
+  for (int c = 0; c < nc; ++c)
+    for (int par = 0; par < 2; ++par) {
+      offsets.push_back(off);
+      off = align_up(off + static_cast<size_t>(in_elems(c)) * 4, 64);
+    }
+  const size_t bytes = align_up(off, 4096);
+  int fd = shm_open(shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw Error(who + ": shm_open(" + shm_name + "): " + strerror(errno));
+  linked_ = true;
+  segment_ = std::make_unique<Segment>();
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const std::string msg = strerror(errno);
+    ::close(fd);
+    unlink_segment();
+    throw Error(who + ": cannot size " + shm_name + " to " + std::to_string(bytes) + " bytes: " + msg);
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    unlink_segment();
+    throw Error(who + ": mmap of " + shm_name + " failed: " + strerror(errno));
+  }
+  segment_->hdr = static_cast<SegmentHeader*>(p);
+  segment_->bytes = bytes;
+  SegmentHeader* h = segment_->hdr;
+  h->rank = rank;
+  h->world = world;
+  h->pid = static_cast<int32_t>(getpid());
+  h->num_channels = nc;
+  h->layout_hash = layout_hash_;
+  h->bytes = bytes;
+  for (int c = 0; c < nc; ++c)
+    for (int par = 0; par < 2; ++par) {
+      PostEntry* e = h->entry(c, par);
+      e->offset = offsets[2 * c + par];
+      e->seq.store(-1, std::memory_order_relaxed);
+    }
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+
+  next_seq_.assign(nc, 0);
+  in_flight_.assign(nc, 0);
+  completed_ = std::make_unique<std::atomic<int64_t>[]>(nc);
+  for (int c = 0; c < nc; ++c) completed_[c].store(0);
+  peers_.resize(world);
+  for (int r = 0; r < world; ++r) {
+    peers_[r] = std::make_unique<Peer>();
+    peers_[r]->rank = r;
+  }
+  try {
+    if (world > 1) tcp_ = std::make_unique<TcpLinks>(*this, listen_host);
+  } catch (...) {
+    unlink_segment();
+    throw;
+  }
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+Group::~Group() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+int Group::port() const { return tcp_ ? tcp_->port() : 0; }
+
+const ChannelSpec& Group::channel(int c) const {
+  if (c < 0 || c >= num_channels())
+    throw Error("lockstep group of rank " + std::to_string(rank_) + " has no channel " + std::to_string(c) + " (" +
+                std::to_string(num_channels()) + " channels)");
+  return channels_[c];
+}
+
+int64_t Group::in_elems(int c) const {
+  const ChannelSpec& ch = channel(c);
+  return ch.kind == Kind::kScatter ? ch.n * world_ : ch.n;
+}
+
+int64_t Group::out_elems(int c) const {
+  const ChannelSpec& ch = channel(c);
+  return ch.kind == Kind::kGather ? ch.n * world_ : ch.n;
+}
+
+void Group::check_open(const char* op) const {
+  if (closed_) throw Error(std::string(op) + ": the lockstep group of rank " + std::to_string(rank_) + " is closed");
+}
+
+void Group::connect(const std::vector<PeerConfig>& configs) {
+  check_open("connect");
+  if (connected_) throw Error("connect: the lockstep group of rank " + std::to_string(rank_) + " is connected");
+  if (static_cast<int>(configs.size()) != world_)
+    throw Error("connect: expected " + std::to_string(world_) + " peer configs, got " + std::to_string(configs.size()));
+  for (const PeerConfig& cfg : configs) {
+    if (cfg.rank < 0 || cfg.rank >= world_) throw Error("connect: bad peer rank " + std::to_string(cfg.rank));
+    if (cfg.rank == rank_) continue;
+    Peer& peer = *peers_[cfg.rank];
+    const std::string of = "rank " + std::to_string(rank_) + ": the lockstep segment " + cfg.shm_name + " of rank " +
+                           std::to_string(cfg.rank);
+    if (cfg.link == Link::kShm) {
+      int fd = shm_open(cfg.shm_name.c_str(), O_RDWR, 0);
+      if (fd < 0) throw PeerError(of + " cannot be opened: " + strerror(errno) + " (another host? use tcp)");
+      struct stat st;
+      fstat(fd, &st);
+      void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ::close(fd);
+      if (p == MAP_FAILED) throw PeerError(of + ": mmap failed: " + strerror(errno));
+      peer.seg = std::make_unique<Segment>();
+      peer.seg->hdr = static_cast<SegmentHeader*>(p);
+      peer.seg->bytes = static_cast<size_t>(st.st_size);
+      SegmentHeader* h = peer.seg->hdr;
+      if (h->magic != kMagic || h->rank != cfg.rank || h->world != world_) throw PeerError(of + " is not one");
+      if (h->layout_hash != layout_hash_)
+        throw Error(of + " has other channels than rank " + std::to_string(rank_) + "'s (channel layout differs)");
+      peer.pid = h->pid;
+      peer.link = Link::kShm;
+    } else if (cfg.link == Link::kTcp) {
+      peer.recv_offset.clear();
+      size_t total = 0;
+      for (int c = 0; c < num_channels(); ++c) {
+        peer.recv_offset.push_back(static_cast<int64_t>(total));
+        total += 2 * static_cast<size_t>(channels_[c].n);
+      }
+      peer.recv.assign(total, 0.0f);
+      peer.recv_seq = std::make_unique<std::atomic<int64_t>[]>(2 * num_channels());
+      for (int i = 0; i < 2 * num_channels(); ++i) peer.recv_seq[i].store(-1);
+      peer.link = Link::kTcp;
+      tcp_->connect(peer, cfg.host, cfg.port);
+    } else {
+      throw Error("connect: peer " + std::to_string(cfg.rank) + " cannot use the 'self' link");
+    }
+  }
+  connected_ = true;
+  handle_ = live_groups().add(this);
+}
+
+void Group::unlink_segment() {
+  if (linked_) {
+    shm_unlink(shm_name_.c_str());
+    linked_ = false;
+  }
+}
+
+std::string Group::describe(const Call& call) const {
+  const ChannelSpec& ch = channels_[call.c];
+  return std::string("lockstep ") + kind_name(ch.kind) + " on channel " + std::to_string(call.c) + " ('" + ch.name +
+         "', call " + std::to_string(call.seq) + ") of rank " + std::to_string(rank_);
+}
+
+void Group::ring_doorbell() { signal_event(&segment_->hdr->doorbell); }
+
+void Group::post(Call& call) {
+  const ChannelSpec& ch = channels_[call.c];
+  const int64_t count = in_elems(call.c);
+  bool shm_peers = false, tcp_peers = false;
+  for (auto& p : peers_) {
+    shm_peers |= p->link == Link::kShm;
+    tcp_peers |= p->link == Link::kTcp;
+  }
+  if (shm_peers) {
+    SegmentHeader* h = segment_->hdr;
+    PostEntry* e = h->entry(call.c, call.seq);
+    std::memcpy(h->data(e), call.in, static_cast<size_t>(count) * 4);
+    e->seq.store(call.seq, std::memory_order_release);
+    for (auto& p : peers_)
+      if (p->link == Link::kShm) signal_event(&p->seg->hdr->doorbell);
+  }
+  if (tcp_peers) {
+    for (auto& p : peers_) {
+      if (p->link != Link::kTcp) continue;
+      // A reduce-scatter sends each owner only its slice.
+      const float* data = ch.kind == Kind::kScatter ? call.in + p->rank * ch.n : call.in;
+      tcp_->send(*p, call.c, call.seq, data, ch.n);
+    }
+  }
+}
+
+const float* Group::arrived(Call& call, int r) {
+  const ChannelSpec& ch = channels_[call.c];
+  const int64_t slice = ch.kind == Kind::kScatter ? static_cast<int64_t>(rank_) * ch.n : 0;
+  Peer& p = *peers_[r];
+  if (r == rank_) return call.in + slice;
+  if (p.link == Link::kShm) {
+    SegmentHeader* h = p.seg->hdr;
+    PostEntry* e = h->entry(call.c, call.seq);
+    const int64_t seen = e->seq.load(std::memory_order_acquire);
+    if (seen == call.seq) return h->data(e) + slice;
+    if (seen > call.seq)
+      throw PeerError(describe(call) + ": rank " + std::to_string(r) + " already posted call " + std::to_string(seen) +
+                      " of this channel (out of step: ranks must make the same calls on every channel)");
+    return nullptr;
+  }
+  const int64_t par = call.seq & 1;
+  if (p.recv_seq[2 * call.c + par].load(std::memory_order_acquire) == call.seq)
+    return p.recv.data() + p.recv_offset[call.c] + par * ch.n;
+  if (p.failed.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(p.fail_mu);
+    throw PeerError(describe(call) + ": waiting for rank " + std::to_string(r) + ": " + p.failure);
+  }
+  return nullptr;
+}
+
+bool Group::advance(Call& call) {
+  const ChannelSpec& ch = channels_[call.c];
+  const size_t bytes = static_cast<size_t>(ch.n) * 4;
+  // A shm peer's area must still hold this call after the copy (it cannot be reposted before every
+  // rank finished reading it, unless a rank is out of step).
+  auto still_there = [&](int r) {
+    if (r == rank_ || peers_[r]->link != Link::kShm) return;
+    const int64_t seen = peers_[r]->seg->hdr->entry(call.c, call.seq)->seq.load(std::memory_order_acquire);
+    if (seen != call.seq)
+      throw PeerError(describe(call) + ": rank " + std::to_string(r) + " reposted its area while it was read (call " +
+                      std::to_string(seen) + "; out of step)");
+  };
+  if (ch.kind == Kind::kGather) {
+    bool all = true;
+    for (int r = 0; r < world_; ++r) {
+      if (call.got[r]) continue;
+      const float* src = arrived(call, r);
+      if (!src) {
+        all = false;
+        continue;
+      }
+      std::memcpy(call.out + r * ch.n, src, bytes);
+      still_there(r);
+      call.got[r] = 1;
+    }
+    return all;
+  }
+  // Sums in rank order: the same bits on every rank, whatever the arrival order.
+  while (call.next < world_) {
+    const float* src = arrived(call, call.next);
+    if (!src) return false;
+    if (call.next == 0) {
+      std::memcpy(call.out, src, bytes);
+    } else {
+      float* out = call.out;
+      for (int64_t i = 0; i < ch.n; ++i) out[i] += src[i];
+    }
+    still_there(call.next);
+    ++call.next;
+  }
+  return true;
+}
+
+void Group::finish(Call& call, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_[call.c] = 0;
+    if (error.empty()) completed_[call.c].store(call.seq + 1, std::memory_order_release);
+  }
+  call.done(error);
+}
+
+void Group::start(int c, const float* in, float* out, std::function<void(const std::string&)> done) {
+  auto call = std::make_shared<Call>();
+  call->c = c;
+  call->in = in;
+  call->out = out;
+  call->done = std::move(done);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string err;
+    if (closed_ || stop_.load()) err = "the lockstep group of rank " + std::to_string(rank_) + " is closed";
+    else if (!connected_) err = "the lockstep group of rank " + std::to_string(rank_) + " is not connected";
+    else if (c < 0 || c >= num_channels()) err = "rank " + std::to_string(rank_) + " has no lockstep channel " + std::to_string(c);
+    else if (in_flight_[c])
+      err = "rank " + std::to_string(rank_) + ": call " + std::to_string(next_seq_[c]) + " on lockstep channel '" +
+            channels_[c].name + "' started while call " + std::to_string(next_seq_[c] - 1) +
+            " is still in flight (calls on one channel must be ordered by data dependencies)";
+    if (!err.empty()) {
+      call->done(err);
+      return;
+    }
+    call->seq = next_seq_[c]++;
+    in_flight_[c] = 1;
+  }
+  call->got.assign(world_, 0);
+  call->started = now_seconds();
+  call->deadline = call->started + timeout_s_;
+  try {
+    post(*call);
+    if (advance(*call)) return finish(*call, "");
+  } catch (const std::exception& e) {
+    return finish(*call, e.what());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(call);
+  }
+  ring_doorbell();
+}
+
+void Group::run(int c, const float* in, float* out) {
+  std::promise<std::string> result;
+  std::future<std::string> got = result.get_future();
+  start(c, in, out, [&result](const std::string& err) { result.set_value(err); });
+  const std::string err = got.get();
+  if (err.empty()) return;
+  if (err.find("timed out") != std::string::npos) throw TimeoutError(err);
+  throw PeerError(err);
+}
+
+std::string Group::waiting_on(Call& call, bool check_alive) {
+  const ChannelSpec& ch = channels_[call.c];
+  for (int r = ch.kind == Kind::kGather ? 0 : call.next; r < world_; ++r) {
+    if (ch.kind == Kind::kGather && call.got[r]) continue;
+    Peer& p = *peers_[r];
+    std::string what = "rank " + std::to_string(r);
+    if (check_alive && p.link == Link::kShm) {
+      if (p.seg->hdr->closing.load(std::memory_order_acquire))
+        throw PeerError(describe(call) + ": waiting for " + what + ", which closed its lockstep group");
+      if (!odc::pid_alive(p.pid))
+        throw PeerError(describe(call) + ": waiting for " + what + " (pid " + std::to_string(p.pid) + "), which died");
+    }
+    return what;
+  }
+  return "nobody";
+}
+
+void Group::progress_loop() {
+  SegmentHeader* h = segment_->hdr;
+  double next_check = 0;
+  int idle_rounds = 0;
+  while (!stop_.load(std::memory_order_acquire)) {
+    const uint32_t seen = h->doorbell.load(std::memory_order_acquire);
+    std::vector<std::shared_ptr<Call>> calls;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls = pending_;
+    }
+    const double now = now_seconds();
+    const bool check = now >= next_check;
+    if (check) next_check = now + 0.05;
+    std::vector<std::pair<std::shared_ptr<Call>, std::string>> finished;
+    for (auto& call : calls) {
+      try {
+        if (advance(*call)) {
+          finished.emplace_back(call, "");
+        } else if (check) {
+          const std::string who = waiting_on(*call, true);
+          if (now > call->deadline)
+            finished.emplace_back(call, describe(*call) + " timed out after " + std::to_string(timeout_s_) +
+                                            " s waiting for " + who + " to post it");
+        }
+      } catch (const std::exception& e) {
+        finished.emplace_back(call, e.what());
+      }
+    }
+    if (!finished.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [call, err] : finished)
+          pending_.erase(std::find(pending_.begin(), pending_.end(), call));
+      }
+      // Outside the lock: XLA may run the rest of its program from this callback, and start more calls.
+      for (auto& [call, err] : finished) finish(*call, err);
+      idle_rounds = 0;
+      continue;
+    }
+    // A short spin catches a peer's post a few microseconds away; then sleep on my doorbell.
+    if (!calls.empty() && ++idle_rounds < 64) continue;
+    idle_rounds = 0;
+    futex_wait(&h->doorbell, seen, calls.empty() ? 0.2 : 0.05);
+  }
+}
+
+void Group::close() {
+  if (closed_) return;
+  live_groups().remove(handle_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  stop_.store(true);
+  SegmentHeader* h = segment_->hdr;
+  h->closing.store(1, std::memory_order_release);
+  futex_wake_all(&h->doorbell);
+  signal_event(&h->doorbell);
+  if (progress_.joinable()) progress_.join();
+  std::vector<std::shared_ptr<Call>> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls.swap(pending_);
+  }
+  for (auto& call : calls) finish(*call, describe(*call) + ": the group was closed");
+  for (auto& p : peers_)
+    if (p->link == Link::kShm) signal_event(&p->seg->hdr->doorbell);  // their waits see `closing`
+  if (tcp_) tcp_->stop();
+  for (auto& p : peers_) p->seg.reset();
+  unlink_segment();
+}
+
+}  // namespace jaxodc::lockstep

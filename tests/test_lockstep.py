@@ -1,0 +1,205 @@
+"""Lock-step collectives over jaxodc's transports (jaxodc.comm.lockstep, jaxodc.ops.lockstep) and
+CollectiveTrainer(transport="jaxodc"): against jax's own collectives (gloo) element by element, on
+2 and 3 processes, over shm and tcp; bad input; a dead or silent peer raises instead of hanging."""
+import os
+
+import numpy as np
+import pytest
+
+from harness import error_text, run_ranks
+
+SHARD, SCATTER, REDUCE, CALLS = 37, 29, 5, 3
+
+
+def _allgather(ctx):
+    keys = iter(range(1 << 30))
+    return lambda b: ctx.rendezvous.allgather(f"test_lockstep/{next(keys)}", b, ctx.world)
+
+
+def ops_body(ctx, link):
+    from jaxodc.launch.context import init_jax_distributed
+    init_jax_distributed(ctx)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+    from jaxodc.ops.lockstep import lockstep_collective
+
+    W, r = ctx.world, ctx.rank
+    group = LockstepGroup([Channel("gather", SHARD, "g"), Channel("scatter", SCATTER, "s"),
+                           Channel("reduce", REDUCE, "r")], rank=r, world=W, allgather=_allgather(ctx), link=link)
+    assert group.links == ["self" if p == r else link for p in range(W)]
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index)), ("d",))
+
+    def both(x, y, z):
+        mine = (lockstep_collective(x, group=group, channel=0), lockstep_collective(y, group=group, channel=1),
+                lockstep_collective(z, group=group, channel=2))
+        theirs = (jax.lax.all_gather(x, "d", tiled=True), jax.lax.psum_scatter(y, "d", scatter_dimension=0, tiled=True),
+                  jax.lax.psum(z, "d"))
+        return mine + theirs
+
+    f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(P("d"),) * 3, out_specs=(P("d"),) * 6, check_vma=False))
+    out = []
+    for call in range(CALLS):  # several calls: both parities of every channel's areas, reused
+        rng = np.random.default_rng([call, r])
+        x = rng.normal(size=SHARD).astype(np.float32)
+        y = rng.normal(size=W * SCATTER).astype(np.float32)
+        z = rng.normal(size=REDUCE).astype(np.float32)
+        glob = lambda a: jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, P("d")), a,
+                                                                 (W * a.shape[0],))
+        res = [np.asarray(a.addressable_data(0)) for a in f(glob(x), glob(y), glob(z))]
+        host = [group.run(0, x), group.run(1, y), group.run(2, z)]
+        out.append({"inputs": (x, y, z), "jit": res, "host": host})
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("world,link", [(2, "shm"), (3, "tcp"), (3, "shm")])
+def test_ops_equal_jax_collectives(world, link):
+    ranks = run_ranks(ops_body, world, args=(link,), timeout_s=120)
+    for call in range(CALLS):
+        xs = [ranks[r][call]["inputs"][0] for r in range(world)]
+        ys = [ranks[r][call]["inputs"][1] for r in range(world)]
+        zs = [ranks[r][call]["inputs"][2] for r in range(world)]
+        for r in range(world):
+            got = ranks[r][call]
+            ag, rs, ar, jag, jrs, jar = got["jit"]
+            # all-gather: bit-identical to jax's and to the inputs, every element
+            np.testing.assert_array_equal(ag.view(np.uint32), jag.view(np.uint32))
+            np.testing.assert_array_equal(ag, np.concatenate(xs))
+            # sums: rank order exactly (numpy, same order), jax's up to fp32 summation order
+            want_rs = ys[0][r * SCATTER:(r + 1) * SCATTER].copy()
+            want_ar = zs[0].copy()
+            for q in range(1, world):
+                want_rs += ys[q][r * SCATTER:(r + 1) * SCATTER]
+                want_ar += zs[q]
+            np.testing.assert_array_equal(rs, want_rs)
+            np.testing.assert_array_equal(ar, want_ar)
+            np.testing.assert_allclose(rs, jrs, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(ar, jar, rtol=1e-6, atol=1e-6)
+            for a, b in zip(got["host"], (ag, rs, ar)):
+                np.testing.assert_array_equal(a, b)
+        # every rank's all-reduce holds the same bits
+        for r in range(1, world):
+            np.testing.assert_array_equal(ranks[r][call]["jit"][2].view(np.uint32), ranks[0][call]["jit"][2].view(np.uint32))
+
+
+def errors_body(ctx):
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+    from jaxodc.ops.lockstep import lockstep_collective
+    import jax.numpy as jnp
+
+    W, r = ctx.world, ctx.rank
+    ag = _allgather(ctx)
+    out = {}
+    # Channels that differ between ranks are refused when the group is built, on every rank.
+    out["layout"] = error_text(lambda: LockstepGroup([Channel("gather", 4 + r, "g")], rank=r, world=W, allgather=ag))
+    out["kind"] = error_text(lambda: LockstepGroup([Channel("bogus", 4, "g")], rank=r, world=W, allgather=ag))
+    out["link"] = error_text(lambda: LockstepGroup([Channel("gather", 4, "g")], rank=r, world=W, allgather=ag,
+                                                   link="udp"))
+    group = LockstepGroup([Channel("gather", 4, "g"), Channel("scatter", 2, "s")], rank=r, world=W, allgather=ag,
+                          timeout_s=2.0)
+    out["size"] = error_text(lambda: lockstep_collective(jnp.zeros(5), group=group, channel=0))
+    out["dtype"] = error_text(lambda: lockstep_collective(jnp.zeros(4, jnp.int32), group=group, channel=0))
+    out["host_size"] = error_text(lambda: group.run(1, np.zeros(3, np.float32)))
+    # Only rank 0 calls: it times out naming the channel and the rank it waited for.
+    ctx.barrier("test_lockstep/timeout")
+    if r == 0:
+        out["timeout"] = error_text(lambda: group.run(0, np.zeros(4, np.float32)))
+    ctx.barrier("test_lockstep/closed")
+    group.close()
+    out["closed"] = error_text(lambda: group.run(0, np.zeros(4, np.float32)))
+    return out
+
+
+def test_errors():
+    out = run_ranks(errors_body, 2, timeout_s=90)
+    for r, o in enumerate(out):
+        assert "other lockstep channels" in o["layout"], o["layout"]
+        assert "bogus" in o["kind"] and "udp" in o["link"]
+        assert "takes 8 elements, got 5" in o["size"] or "takes 4 elements, got 5" in o["size"], o["size"]
+        assert "float32" in o["dtype"]
+        assert "channel 1 takes 4 elements in" in o["host_size"], o["host_size"]
+        assert "closed" in o["closed"] or "no live" in o["closed"], o["closed"]
+    t = out[0]["timeout"]
+    assert "TimeoutError" in t and "'g'" in t and "waiting for rank 1" in t and "timed out after 2" in t, t
+
+
+def dead_peer_body(ctx, link, path):
+    import json
+    import time
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+
+    group = LockstepGroup([Channel("reduce", 3, "r")], rank=ctx.rank, world=ctx.world, allgather=_allgather(ctx),
+                          link=link, timeout_s=30.0)
+    group.run(0, np.ones(3, np.float32))
+    ctx.barrier("test_lockstep/dead")
+    if ctx.rank == 1:
+        os._exit(0)  # dies without closing anything
+    t0 = time.monotonic()
+    err = error_text(lambda: group.run(0, np.ones(3, np.float32)))
+    with open(path, "w") as f:
+        json.dump([err, time.monotonic() - t0], f)
+    os._exit(0)  # the harness's final barrier would wait for rank 1
+
+
+@pytest.mark.parametrize("link", ["shm", "tcp"])
+def test_dead_peer_raises(link, tmp_path):
+    import json
+    from harness import RankFailure
+    path = str(tmp_path / "err.json")
+    with pytest.raises(RankFailure, match="without a result"):
+        run_ranks(dead_peer_body, 2, args=(link, path), timeout_s=60)
+    err, waited = json.load(open(path))
+    assert "PeerError" in err and "rank 1" in err and "'r'" in err and waited < 10, (err, waited)
+
+
+# -- the trainer -----------------------------------------------------------------------------------
+
+TW, SIZES, STEPS, MBS = 2, (7, 40, 19, 5), 3, 2
+
+
+def _microbatch(step, rank, j):
+    rng = np.random.default_rng([step, rank, j])
+    return {"x": rng.normal(size=(4, SIZES[0])).astype(np.float32),
+            "y": rng.integers(0, SIZES[-1], 4).astype(np.int32), "mask": np.ones(4, np.float32)}
+
+
+def trainer_body(ctx, link):
+    from jaxodc.launch.context import init_jax_distributed
+    init_jax_distributed(ctx)
+    import jax
+    import optax
+    from jaxodc.compress.policy import Compression
+    from jaxodc.models.mlp import MLP
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.train.collective import CollectiveTrainer
+    from jaxodc.train.units import make_layout
+    model = MLP(SIZES)
+    params = model.init(jax.random.PRNGKey(0))
+    opt = optax.chain(clip_by_global_norm(0.05), optax.adam(1e-3, eps=1e-6))  # the clip needs the all-sum
+
+    def run(transport):
+        tr = CollectiveTrainer(model, opt, params, transport=transport, lockstep={"link": link})
+        losses = [tr.train_minibatch([_microbatch(s, ctx.rank, j) for j in range(MBS)], 4.0 * ctx.world * MBS).loss
+                  for s in range(STEPS)]
+        shards = tr.local_shards()
+        tr.close()
+        return shards, losses
+
+    gloo, jaxodc = run("gloo"), run("jaxodc")
+    plan = Compression(select=lambda path, shape: len(shape) >= 2).plan(make_layout(params, ctx.world, order=model.unit_names))
+    err = error_text(lambda: CollectiveTrainer(model, opt, params, transport="jaxodc", compress=plan))
+    bad = error_text(lambda: CollectiveTrainer(model, opt, params, transport="nccl"))
+    return gloo, jaxodc, err, bad
+
+
+@pytest.mark.parametrize("world,link", [(2, "shm"), (3, "tcp")])
+def test_trainer_jaxodc_equals_gloo(world, link):
+    out = run_ranks(trainer_body, world, args=(link,), timeout_s=180)
+    for r, ((g_shards, g_loss), (j_shards, j_loss), err, bad) in enumerate(out):
+        np.testing.assert_allclose(j_loss, g_loss, rtol=1e-5, err_msg=f"rank {r}")
+        for n, a in g_shards.items():
+            np.testing.assert_allclose(j_shards[n], a, rtol=1e-5, atol=1e-6, err_msg=f"rank {r} unit {n}")
+        assert "compression" in err and "transport='gloo'" in err, err
+        assert "nccl" in bad
