@@ -3,7 +3,8 @@ shows -- linen_loss_fn + sharded_step -- and the unit-staged LM trained with `Tr
 exported and loaded back with nothing but `flax.serialization.msgpack_restore`; the loaded
 parameters are the trainer's own full parameters and the models compute the same thing from them,
 element for element. The README's single-process loop on the same data gives the same losses and
-parameters. An export path that cannot be written fails on every rank, naming the path."""
+parameters. An export path that cannot be written fails on every rank, naming the path.
+`jaxodc train --model llama --export PATH` trains the Llama and writes a file Flax loads."""
 import json
 import os
 
@@ -172,3 +173,43 @@ def test_unwritable_path_fails_on_every_rank_naming_it(results):
     path = os.path.join(root, "a_file", "model.msgpack")
     assert r0["unwritable"].startswith(f"cannot write the export {path}: "), r0["unwritable"]
     assert r1["unwritable"] == "rank 0: " + r0["unwritable"]
+
+
+# -- jaxodc train --model llama --export ------------------------------------------------------
+
+def test_cli_refuses_bad_model_options_before_launching(tmp_path, capsys):
+    from test_train_cli import _main
+    code, err = _main(["--model", "llama", "--heads", "4", "--kv-heads", "3"], capsys)
+    assert code == 2 and "--kv-heads 3 must divide --heads 4" in err, err
+    code, err = _main(["--kv-heads", "2"], capsys)
+    assert code == 2 and "--kv-heads applies to --model llama" in err, err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, err = _main(["--export", str(blocker / "model.msgpack")], capsys)
+    assert code == 2 and f"--export: cannot create the directory {blocker}" in err, err
+
+
+def test_cli_export_path_per_run():
+    from types import SimpleNamespace
+    from jaxodc.cli.train import export_path
+    args = SimpleNamespace(export="/x/model.msgpack")
+    assert export_path(args, ("odc", "lb_mini"), 1) == "/x/model.msgpack"
+    assert export_path(args, ("odc", "lb_mini"), 2) == "/x/model.odc-lb_mini.msgpack"
+
+
+@pytest.mark.slow
+def test_cli_trains_llama_and_exports(tmp_path):
+    from test_train_cli import _train
+    path, js = tmp_path / "out" / "llama.msgpack", tmp_path / "runs.json"
+    out = _train(["--model", "llama", "--ranks", "2", "--steps", "2", "--minibatch", "2", "--max-tokens", "32",
+                  "--d-model", "16", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--warmup", "0",
+                  "--json", str(js), "--export", str(path)])
+    assert f"odc + lb_mini  export: {path} (minibatch 2)" in out, out
+    losses = [r["loss"] for r in json.load(open(js))["odc + lb_mini"]]
+    assert len(losses) == 4 and np.all(np.isfinite(losses)), losses
+    from jaxodc.balance.packing import pack
+    from jaxodc.models.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn=64)
+    batch = pack([np.arange(1, 20, dtype=np.int32)], 32).as_dict()
+    per_token = np.asarray(Llama(cfg).apply(restore(path), batch))
+    assert per_token.shape == (1, 32) and np.all(np.isfinite(per_token)) and per_token.sum() > 0
