@@ -112,7 +112,7 @@ def test_linen_llama_export_loads_in_plain_flax(results):
             np.testing.assert_array_equal(np.asarray(model.apply(loaded, b)), np.asarray(model.apply(full, b)))
     info = json.load(open(path + ".json"))
     assert info["step"] == STEPS and info["world"] == 2 and info["comm"] == "odc"
-    assert info["leaves"]["['params']['embed']['embedding']"] == [[64, 32], "float32"]
+    assert info["leaves"]["params/embed/embedding"] == "float32[64, 32]", info["leaves"]
 
 
 def test_readme_single_process_loop_matches(results):
@@ -176,6 +176,23 @@ def test_unwritable_path_fails_on_every_rank_naming_it(results):
 
 
 # -- jaxodc train --model llama --export ------------------------------------------------------
+
+def test_write_read_any_tree(tmp_path):
+    """Typed PRNG keys go out as their key data, int dict keys and tuples as strings (Flax's state
+    dict); an unwritable path names itself."""
+    import jax
+    from jaxodc.train.export import read, write
+    tree = {"params": {"w": np.ones((2, 3), np.float32)}, "state": {"rng": jax.random.key(3), "blocks": {0: (np.int32(7),)}}}
+    path = write(tree, str(tmp_path / "t.msgpack"), {"note": "x"})
+    got = read(path)
+    np.testing.assert_array_equal(got["params"]["w"], tree["params"]["w"])
+    np.testing.assert_array_equal(got["state"]["rng"], jax.random.key_data(tree["state"]["rng"]))
+    assert got["state"]["blocks"] == {"0": {"0": 7}}
+    info = json.load(open(path + ".json"))
+    assert info["note"] == "x" and info["prng_key_data"] == ["['state']['rng']"] and info["parameters"] == 9
+    with pytest.raises(OSError, match=f"cannot write the export {tmp_path}/t.msgpack/x: "):
+        write(tree, str(tmp_path / "t.msgpack" / "x"))
+
 
 def test_cli_refuses_bad_model_options_before_launching(tmp_path, capsys):
     from test_train_cli import _main

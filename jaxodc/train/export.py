@@ -70,11 +70,13 @@ def write(params: Any, path: str, metadata: Mapping | None = None) -> str:
     host = jax.tree_util.tree_map(_host, params)
     keys = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if _is_key(x)]
     import flax.serialization
-    data = flax.serialization.to_bytes(host)
-    leaves = jax.tree_util.tree_leaves_with_path(host)
+    import flax.traverse_util
+    state = flax.serialization.to_state_dict(host)  # what to_bytes writes: nested dicts, string keys
+    data = flax.serialization.msgpack_serialize(state)
+    leaves = flax.traverse_util.flatten_dict(state, sep="/") if isinstance(state, dict) else {"": state}
     info = {"format": FORMAT, **dict(metadata or {}),
-            "parameters": int(sum(x.size for _, x in leaves)), "bytes": len(data),
-            "leaves": {jax.tree_util.keystr(p): [list(x.shape), str(x.dtype)] for p, x in leaves}}
+            "parameters": int(sum(np.size(x) for x in leaves.values())), "bytes": len(data),
+            "leaves": {p: f"{x.dtype}{list(x.shape)}" for p, x in leaves.items()}}
     if keys:
         info["prng_key_data"] = keys
     try:
