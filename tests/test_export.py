@@ -189,7 +189,7 @@ def test_write_read_any_tree(tmp_path):
     np.testing.assert_array_equal(got["state"]["rng"], jax.random.key_data(tree["state"]["rng"]))
     assert got["state"]["blocks"] == {"0": {"0": 7}}
     info = json.load(open(path + ".json"))
-    assert info["note"] == "x" and info["prng_key_data"] == ["['state']['rng']"] and info["parameters"] == 9
+    assert info["note"] == "x" and info["prng_key_data"] == ["state/rng"] and info["parameters"] == 9
     with pytest.raises(OSError, match=f"cannot write the export {tmp_path}/t.msgpack/x: "):
         write(tree, str(tmp_path / "t.msgpack" / "x"))
 

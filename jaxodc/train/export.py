@@ -32,7 +32,7 @@ def full_params(state) -> Any:
     return state.program.unshard([{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got])
 
 
-def export(state, path: str, params: Any = None, metadata: Mapping | None = None) -> str:
+def export(state, path: str, metadata: Mapping | None = None) -> str:
     """Writes the full parameters of a sharded trainer to `path` (see the module docstring).
 
     Collective: every rank calls it (assembling the parameters gathers every rank's shards); rank 0
@@ -41,14 +41,12 @@ def export(state, path: str, params: Any = None, metadata: Mapping | None = None
     Args:
       state: the trainer (`sharded_step(...).init(...)`, or `Trainer.state`).
       path: the msgpack file to write (its directory is created); metadata goes to `path + ".json"`.
-      params: the full parameters if the caller has them already (skips the gather).
       metadata: extra JSON-able fields for the sidecar.
 
     Returns:
       The absolute path written.
     """
-    if params is None:
-        params = full_params(state)
+    params = full_params(state)
     error = ""
     if state.rank == 0:
         info = {"step": int(state.version), "world": int(state.world), "comm": state.comm,
@@ -57,6 +55,8 @@ def export(state, path: str, params: Any = None, metadata: Mapping | None = None
             write(params, path, info)
         except OSError as e:
             error = str(e)
+        except Exception as e:  # e.g. a leaf msgpack cannot hold: the others must not wait for rank 0
+            error = f"cannot write the export {os.path.abspath(path)}: {type(e).__name__}: {e}"
     errors = state.allgather_obj(error)  # every rank learns whether rank 0 wrote it
     if errors[0]:
         raise OSError(f"rank 0: {errors[0]}" if state.rank else errors[0])
@@ -68,7 +68,7 @@ def write(params: Any, path: str, metadata: Mapping | None = None) -> str:
     process, atomic (a reader never sees a half-written file). Returns the absolute path."""
     path = os.path.abspath(path)
     host = jax.tree_util.tree_map(_host, params)
-    keys = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if _is_key(x)]
+    keys = ["/".join(_key_name(k) for k in p) for p, x in jax.tree_util.tree_leaves_with_path(params) if _is_key(x)]
     import flax.serialization
     import flax.traverse_util
     state = flax.serialization.to_state_dict(host)  # what to_bytes writes: nested dicts, string keys
@@ -102,6 +102,11 @@ def read(path: str) -> Any:
 
 def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_name(k) -> str:
+    """A path entry as Flax's state dict spells it (dict key, sequence index, attribute name)."""
+    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
 
 
 def _host(x):
