@@ -1,9 +1,12 @@
-"""`jaxodc train`: train the small decoder LM (models/lm.py) with the sharded trainer on local
-ranks, and print loss, throughput and bubble rate per run.
+"""`jaxodc train`: train a small decoder LM with the sharded trainer on local ranks, and print
+loss, throughput and bubble rate per run. --model lm (default) is the unit-staged LM of
+models/lm.py; --model llama the linen Llama of models/llama.py, trained unchanged through
+linen_loss_fn (units discovered, each gathered where it is used).
 
     jaxodc train --ranks 2 --comm odc --balance lb_mini --steps 20 --minibatch 4 --max-tokens 256
     jaxodc train --comm collective,odc --balance lb_micro,lb_mini --timeline out.png   # compare
     jaxodc train --checkpoint ckpt --save-every 5 ... ; jaxodc train --checkpoint ckpt --resume ...
+    jaxodc train --model llama --export llama.msgpack   # full params, loaded by flax.serialization
 
 Without `jaxodc launch` around it, the command starts --ranks local rank processes itself (one
 compute thread each) and reports when they finish; started by `jaxodc launch -n N -m
@@ -23,6 +26,7 @@ import os
 import sys
 import tempfile
 
+MODELS = ("lm", "llama")
 BALANCE_NAMES = {"lb_mini": "LB-Mini", "lb_micro": "LB-Micro", "lb_steal": "LB-Steal", "local_sort": "LocalSort"}
 COLLECTIVE_NOTE = ("(collective microbatch intervals include time blocked inside all_gather / psum_scatter, so its\n"
                    " measured bubble is a lower bound; ODC ranks block only on owners' publications)")
@@ -30,8 +34,10 @@ TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
 
 
 def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train the small LM with the sharded trainer.")
+    p = argparse.ArgumentParser(prog=prog, description="Train a small LM with the sharded trainer.")
     a = p.add_argument
+    a("--model", default="lm", choices=MODELS, help="lm: the unit-staged LM (models/lm.py); llama: the linen "
+                                                    "Llama (models/llama.py) through linen_loss_fn")
     a("--ranks", type=int, default=2, help="local ranks to start (ignored under jaxodc launch)")
     a("--comm", default="odc", help="odc, collective, or a comma list to compare runs")
     a("--balance", default=None, help="local_sort, lb_micro, lb_mini or lb_steal (comma list per run); "
@@ -49,6 +55,7 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--d-model", type=int, default=64)
     a("--layers", type=int, default=2)
     a("--heads", type=int, default=4)
+    a("--kv-heads", type=int, default=0, help="llama: key/value heads (grouped-query attention; 0: --heads)")
     a("--lr", type=float, default=3e-3, help="adam learning rate")
     a("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     a("--seed", type=int, default=0, help="parameter init seed")
@@ -63,6 +70,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
     a("--resume", action="store_true", help="restore from --checkpoint when it holds a checkpoint")
     a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")
+    a("--export", metavar="PATH", help="write the trained full parameters as a Flax msgpack file (load with "
+                                       "flax.serialization.msgpack_restore; one file per run when comparing)")
     a("--timeline", metavar="PNG", help="per-rank Gantt chart of compute vs idle")
     a("--json", metavar="PATH", help="write every rank's per-minibatch records here")
     a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
@@ -106,12 +115,27 @@ def check_args(args) -> None:
         raise ValueError("--resume needs --checkpoint DIR")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         raise ValueError(f"--d-model {args.d_model} must split into --heads {args.heads} heads of even size")
+    if args.kv_heads < 0 or (args.kv_heads and args.heads % args.kv_heads):
+        raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if args.kv_heads and args.model != "llama":
+        raise ValueError("--kv-heads applies to --model llama")
     from jaxodc.compress import parse_compression
     parse_compression(args.compress)  # a bad setting fails here, naming it
     if args.link_mbps < 0 or args.link_ms < 0:
         raise ValueError("--link-mbps and --link-ms must be >= 0")
     if (args.link_mbps or args.link_ms) and args.transport != "tcp":
         raise ValueError("--link-mbps / --link-ms emulate ODC's tcp transport: add --transport tcp")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Creates `path` if needed; raises OSError naming it unless this process can write there (the
+    rank that writes at the end of training is rank 0, started from here)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{flag}: cannot create the directory {path}: {e.strerror or e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(f"{flag}: the directory {path} is not writable")
 
 
 def load_samples(args, world: int):
@@ -141,6 +165,33 @@ def checkpoint_dir(args, run: tuple[str, str], n_runs: int) -> str | None:
     if not args.checkpoint:
         return None
     return args.checkpoint if n_runs == 1 else os.path.join(args.checkpoint, f"{run[0]}-{run[1]}")
+
+
+def export_path(args, run: tuple[str, str], n_runs: int) -> str | None:
+    """--export itself, or with several runs one file per run: model.odc-lb_mini.msgpack."""
+    if not args.export or n_runs == 1:
+        return args.export
+    stem, ext = os.path.splitext(args.export)
+    return f"{stem}.{run[0]}-{run[1]}{ext}"
+
+
+def model_of(args):
+    """(model or loss_fn, initial params) for --model: the staged LM, or the linen Llama whose loss
+    is the sum of its per-token losses on a packed microbatch (the trainer divides by the
+    minibatch's token count)."""
+    import jax
+    if args.model == "lm":
+        from jaxodc.models.lm import LM, LMConfig
+        model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
+        return model, model.init(jax.random.PRNGKey(args.seed))
+    from jaxodc.balance.packing import pack
+    from jaxodc.models.llama import Llama, LlamaConfig
+    from jaxodc.train.adapters import linen_loss_fn
+    cfg = LlamaConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads or args.heads, ffn=4 * args.d_model)
+    llama = Llama(cfg)
+    params = jax.jit(llama.init)(jax.random.PRNGKey(args.seed), pack([], args.max_tokens).as_dict())
+    return linen_loss_fn(llama, lambda apply, batch: apply(batch).sum()), params
 
 
 # --------------------------------------------------------------------------- rank side
@@ -175,7 +226,6 @@ def worker(args) -> dict | None:
 
 def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     """One (comm, balance) run on this rank; returns every rank's timed records."""
-    import jax
     import optax
 
     from jaxodc.train import checkpoint
@@ -183,11 +233,9 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     from jaxodc.optim.clipping import clip_by_global_norm
     from jaxodc.balance.cost import CostModel
     from jaxodc.train.metrics import Progress
-    from jaxodc.models.lm import LM, LMConfig
 
     comm, balance = run
-    model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
-    params = model.init(jax.random.PRNGKey(args.seed))
+    model, params = model_of(args)
     opt = optax.adam(args.lr)
     if args.clip > 0:
         opt = optax.chain(clip_by_global_norm(args.clip), opt)
@@ -225,6 +273,9 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
             trainer.save(ck)
         if ck:
             say(f"{comm:>10} + {balance:<8} checkpoint: {os.path.abspath(ck)} (minibatch {trainer.step})")
+        export = export_path(args, run, n_runs)
+        if export:
+            say(f"{comm:>10} + {balance:<8} export: {trainer.export(export)} (minibatch {trainer.step})")
         return trainer.gather_records(timed)
 
 
@@ -272,6 +323,8 @@ def main(argv: list[str]) -> int:
         runs_of(args)
         if not launched:
             load_samples(args, args.ranks)  # bad input fails here, before any rank starts
+        if args.export:
+            check_writable_dir(os.path.dirname(os.path.abspath(args.export)), "--export")
     except (ValueError, OSError) as e:
         print(f"jaxodc train: {e}", file=sys.stderr)
         return 2
@@ -283,7 +336,7 @@ def main(argv: list[str]) -> int:
         fd, tmp = tempfile.mkstemp(prefix="jaxodc_train_", suffix=".json")
         os.close(fd)
         args.json = tmp
-    for k in ("json", "timeline", "checkpoint", "data", "lengths"):  # ranks may start elsewhere
+    for k in ("json", "timeline", "checkpoint", "export", "data", "lengths"):  # ranks may start elsewhere
         if getattr(args, k):
             setattr(args, k, os.path.abspath(getattr(args, k)))
     try:

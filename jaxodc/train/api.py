@@ -341,10 +341,17 @@ class Trainer:
 
     # parameters and checkpoints -----------------------------------------------------------
     def full_params(self) -> dict:
-        """The full parameters (numpy), assembled from every rank's shards; collective."""
-        mine = {n: np.asarray(x, np.float32).tobytes() for n, x in self.state.local_shards().items()}
-        got = [msgpack.unpackb(b) for b in self.ctx.allgather("jaxodc/trainer/params", msgpack.packb(mine))]
-        return self.state.program.unshard([{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got])
+        """The full parameters (numpy), in the model's own structure, assembled from every rank's
+        shards; collective."""
+        from jaxodc.train.export import full_params
+        return full_params(self.state)
+
+    def export(self, path: str) -> str:
+        """Writes the full parameters as a Flax msgpack file plain Flax loads
+        (`flax.serialization.msgpack_restore`; jaxodc.train.export); collective: every rank calls
+        it, rank 0 writes. Returns the absolute path."""
+        from jaxodc.train.export import export
+        return export(self.state, path, metadata={"balance": self.balance, "max_tokens": self.max_tokens})
 
     def save(self, path: str) -> str:
         """Checkpoint (jaxodc.train.checkpoint); all ranks call it together."""
