@@ -65,6 +65,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--precision", default="fp32", choices=("fp32", "bf16"),
       help="bf16: gather, compute and send gradients in bf16 (fp32 master shards, optimizer, sums)")
     a("--transport", default="auto", help="ODC transport between ranks: auto, shm or tcp")
+    a("--collective-transport", default="gloo", choices=("gloo", "jaxodc"),
+      help="the collective trainer's collectives: jax's (gloo on CPU) or jaxodc's lock-step shm / tcp ones")
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
     a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
@@ -242,7 +244,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
     from jaxodc.compress import parse_compression
     from jaxodc.odc import Link
-    odc_kwargs = {} if comm != "odc" else {
+    odc_kwargs = {"transport": args.collective_transport} if comm != "odc" else {
         "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
                       cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None,

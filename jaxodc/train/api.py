@@ -137,7 +137,9 @@ class ShardedStep:
           ctx: the job's `jaxodc.launch.Context`. With it, ranks first check that they agree on
             `config()` (ConfigMismatchError otherwise); comm="odc" starts a runtime here
             (`runtime_kwargs` go to `jaxodc.odc.Runtime`, e.g. timeout_s, transport).
-          runtime: an ODC runtime to use instead (comm="odc"); the caller closes it.
+          runtime: an ODC runtime to use instead (comm="odc"); the caller closes it. With
+            comm="collective", `transport=` picks its collectives: "gloo" (jax's) or "jaxodc" (the
+            lock-step collective over jaxodc's own shm / tcp paths).
           check: run the config check (Trainer runs a larger one itself).
           example_batch: one microbatch, for a loss function (its units are found by tracing it).
 
@@ -153,9 +155,13 @@ class ShardedStep:
                                    f"{ctx.world} processes (jax sees {jax.process_count()}); call "
                                    "jaxodc.launch.init_jax_distributed(ctx) before using jax")
             world = jax.device_count()
+            transport = runtime_kwargs.pop("transport", "gloo")
+            if runtime_kwargs:
+                raise ValueError(f"comm='collective' takes transport= ('gloo' or 'jaxodc') only, got "
+                                 f"{sorted(runtime_kwargs)} (options of the ODC runtime)")
             return CollectiveTrainer(self.program(params, world, example_batch), self.optimizer, params,
                                      compress=self.compression_plan(params, world, example_batch),
-                                     precision=self.precision)
+                                     precision=self.precision, transport=transport)
         world = runtime.world if runtime is not None else ctx.world if ctx is not None else None
         if world is None:
             raise ValueError("comm='odc' needs ctx= (jaxodc.launch.Context) or runtime=")
