@@ -179,7 +179,8 @@ def worker(args) -> int:
     if comm == "collective":
         gb = {k: tr._global(v) for k, v in batch.items()}
         acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
-        mb = _analysis(tr._mb_step, tr.shards, acc, gb, jnp.float32(1.0))
+        counts = tr._global(np.zeros(3, np.int32))
+        mb = _analysis(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0))
         opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
         mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
         opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
@@ -189,7 +190,7 @@ def worker(args) -> int:
         outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
         jb = {k: jnp.asarray(v) for k, v in batch.items()}
         grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
-        mb = _analysis(tr._mb_step, tr.shards, jb, jnp.float32(1.0), jnp.int32(tr.version))
+        mb = _analysis(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
         opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
         mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
         if tr._masters is None:

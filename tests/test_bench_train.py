@@ -127,8 +127,8 @@ def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     runs = [r for r in rows if r["kind"] == "train"]
-    assert sorted((r["comm"], r["compress"]) for r in runs) == [
-        ("collective", None), ("collective", "default"), ("odc", None), ("odc", "default")]
+    assert sorted((r["comm"], r["compress"] or "") for r in runs) == [
+        ("collective", ""), ("collective", "default"), ("odc", ""), ("odc", "default")]
     for r in runs:
         assert r["steps"] == 3 and r["samples_per_s"] > 0 and 0 < r["wire_bytes_selected"] < r["wire_bytes"]
         assert r["link_mbps"] == (400.0 if r["comm"] == "odc" else None)
