@@ -37,7 +37,11 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     names = {(b["bar"], b["minibatch"]) for b in bars}
     for mb in MBS:
         assert ("odc+lb_mini / collective+lb_micro samples/s", mb) in names
+        assert ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", mb) in names
         assert ("odc+lb_steal / odc+lb_mini samples/s", mb) in names
+    if 1 in MBS:
+        assert ("odc+lb_micro / collective@jaxodc+lb_micro samples/s (identical schedules)", 1) in names
+    assert {r["transport"] for r in train} == {"gloo", "jaxodc"}
     for mb in (4, 8):
         assert ("odc+lb_mini bubble / collective+lb_micro bubble", mb) in names
     assert all(isinstance(b["pass"], bool) for b in bars if b["threshold"] is not None)
