@@ -2,6 +2,7 @@
 
     python -m jaxodc bench train --json bench/out/train.json [--timeline bench/out/train_timeline.png]
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
+    python -m jaxodc bench train --memory --precision bf16 --json bench/out/train_memory_bf16.json
     python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
 
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
@@ -62,6 +63,8 @@ def _args(argv):
     p.add_argument("--memory-slot-mib", type=float, default=1.0,
                    help="ODC receive slot per client, MiB (pushes travel in chunks of it; 0: a whole shard)")
     p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="--memory: the trainers' precision (bf16: gather, compute and send gradients in bf16)")
     p.add_argument("--compress", help="compare TAGC compression (this setting: default or key=value pairs) "
                                       "with dense training instead (bench/train_compress.py)")
     p.add_argument("--link-mbps", type=float, default=0.0, help="--compress: emulated link of ODC's tcp transport")
@@ -490,7 +493,7 @@ def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
 def _forward(args) -> list[str]:
     keys = ("minibatch", "reps", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
-            "memory_steps", "memory_slot_mib")
+            "memory_steps", "memory_slot_mib", "precision")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 

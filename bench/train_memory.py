@@ -70,7 +70,7 @@ def _step_peak(ma: dict) -> int:
     return ma["argument"] + ma["temp"] + ma["output"] - ma["alias"]
 
 
-def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
+def activation_bytes(model, params_shape, tokens: int, compute_dtype=None) -> dict[str, int]:
     """Activations of one microbatch of `tokens` tokens, measured from the compiled program: the
     same remat'd per-unit program as the trainers' on one process with identity gathers (no
     communication), temp size at `tokens` less temp size at 1 token (parameter-sized buffers,
@@ -82,7 +82,8 @@ def activation_bytes(model, params_shape, tokens: int) -> dict[str, int]:
     from jaxodc.train.units import make_layout
     layout = make_layout(params_shape, 1, order=model.unit_names)
     shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
-    f = jax.jit(microbatch_grad(model, layout, lambda s, spec, ctx: s))
+    dtype = compute_dtype or jnp.float32  # units arrive in it (bf16 under mixed precision)
+    f = jax.jit(microbatch_grad(model, layout, lambda s, spec, ctx: s.astype(dtype)))
     temp = {}
     for T in (1, tokens):
         temp[T] = _analysis(f, shards, pack([], T).as_dict(), jnp.float32(1.0), None)["temp"]
@@ -126,17 +127,18 @@ def worker(args) -> int:
     params = model.init(jax.random.PRNGKey(args.seed))
     layout = make_layout(params, W, order=model.unit_names)
     shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    act = activation_bytes(model, shape, T)
+    from jaxodc.train.program import compute_dtype_of
+    act = activation_bytes(model, shape, T, compute_dtype_of(args.precision))
     optimizer = _optimizer(args.lr)
     unsharded = unsharded_peak(model, shape, optimizer, T)
     S = _nbytes(params) + _nbytes(jax.eval_shape(optimizer.init, params))  # parameters + Adam state, unsharded
     unit = layout.largest * 4
     rt = None
     if comm == "collective":
-        tr = CollectiveTrainer(model, optimizer, params)
+        tr = CollectiveTrainer(model, optimizer, params, precision=args.precision)
     else:
         rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
-        tr = OdcTrainer(model, optimizer, params, rt)
+        tr = OdcTrainer(model, optimizer, params, rt, precision=args.precision)
     del params
     gc.collect()
 
@@ -203,7 +205,7 @@ def worker(args) -> int:
             opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
     peak_xla = max(mb_phase, opt_phase)
     bound = S / W + 3 * unit + act["activations"]
-    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "S": S, "S_over_W": S / W,
+    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase, "mb_step": mb, "opt_step": opt, **native,
@@ -236,11 +238,11 @@ def summarize_memory(per_rank: list[dict]) -> list[dict]:
 
 
 def print_memory(rows: list[dict]) -> None:
-    tab = [{"comm": r["comm"], "W": r["ranks"], **{k: r[k] / MiB for k in (
+    tab = [{"comm": r["comm"], "W": r["ranks"], "precision": r["precision"], **{k: r[k] / MiB for k in (
         "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla", "unsharded_peak")},
         "peak/bound": r["peak_over_bound"], "peak/S": r["peak_over_S"]} for r in rows]
     print("peak per-rank memory, MiB (S = parameters + Adam state, unsharded; bound = S/W + 3 x largest unit + activations)")
-    print_table(tab, ["comm", "W", "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla",
+    print_table(tab, ["comm", "W", "precision", "S", "S_over_W", "largest_unit", "activations", "bound", "peak_rss", "peak_xla",
                       "peak/bound", "peak/S", "unsharded_peak"])
     print("(unsharded_peak: plain single-process training of the same model and microbatch, accounted)")
     for r in rows:
