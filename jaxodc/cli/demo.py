@@ -1,6 +1,7 @@
 """`jaxodc demo`: trains the small decoder LM on long-tailed byte-level text (Python's own library
-sources) on 2 local ranks, first with the collective baseline + LB-Micro, then with ODC + LB-Mini,
-in the same processes, and prints loss, throughput and bubble rate of both plus a timeline PNG
+sources) on 2 local ranks, first with the collective baseline + LB-Micro (over jaxodc's own
+lock-step collective, the transport ODC uses, so the comparison measures ODC's scheduling), then
+with ODC + LB-Mini, in the same processes, and prints loss, throughput and bubble rate of both plus a timeline PNG
 and the per-minibatch records in --out. It is `jaxodc train` (jaxodc.cli.train) with both runs and
 one warm-up minibatch each.
 
@@ -29,6 +30,7 @@ def _args(argv):
 def train_argv(args) -> list[str]:
     """The `jaxodc train` invocation the demo runs."""
     return ["--ranks", str(args.ranks), "--comm", "collective,odc", "--balance", "lb_micro,lb_mini",
+            "--collective-transport", "jaxodc",
             "--steps", str(args.steps + 1), "--warmup", "1", "--minibatch", str(args.minibatch),
             "--max-tokens", str(args.max_tokens), "--preset", args.preset, "--d-model", str(args.d_model),
             "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0", "--timeline", os.path.join(args.out, "demo_timeline.png"),
