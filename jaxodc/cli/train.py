@@ -69,6 +69,10 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
       help="the collective trainer's collectives: jax's (gloo on CPU) or jaxodc's lock-step shm / tcp ones")
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
+    a("--straggle", default="none", help="inject slowdowns no plan foresees (a sleep after the microbatch): none, "
+                                         "default (p=0.1,factor=3) or key=value pairs over p (chance a microbatch "
+                                         "runs factor x slower wherever it runs), factor, rank + window=start:stop "
+                                         "(that rank runs factor x slower in those minibatches), seed")
     a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
     a("--resume", action="store_true", help="restore from --checkpoint when it holds a checkpoint")
     a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")
@@ -123,6 +127,8 @@ def check_args(args) -> None:
         raise ValueError("--kv-heads applies to --model llama")
     from jaxodc.compress import parse_compression
     parse_compression(args.compress)  # a bad setting fails here, naming it
+    from jaxodc.train.straggle import parse_straggle
+    parse_straggle(args.straggle)
     if args.link_mbps < 0 or args.link_ms < 0:
         raise ValueError("--link-mbps and --link-ms must be >= 0")
     if (args.link_mbps or args.link_ms) and args.transport != "tcp":
@@ -244,11 +250,13 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
     from jaxodc.compress import parse_compression
     from jaxodc.odc import Link
+    from jaxodc.train.straggle import parse_straggle
     odc_kwargs = {"transport": args.collective_transport} if comm != "odc" else {
         "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
                       cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None,
-                      compress=parse_compression(args.compress), precision=args.precision, **odc_kwargs)
+                      compress=parse_compression(args.compress), precision=args.precision,
+                      straggle=parse_straggle(args.straggle), **odc_kwargs)
     with trainer:
         ck = checkpoint_dir(args, run, n_runs)
         if args.resume and checkpoint.exists(ck):
@@ -325,6 +333,10 @@ def main(argv: list[str]) -> int:
         runs_of(args)
         if not launched:
             load_samples(args, args.ranks)  # bad input fails here, before any rank starts
+            from jaxodc.train.straggle import parse_straggle
+            straggle = parse_straggle(args.straggle)
+            if straggle is not None:
+                straggle.check_world(args.ranks)
         if args.export:
             check_writable_dir(os.path.dirname(os.path.abspath(args.export)), "--export")
     except (ValueError, OSError) as e:

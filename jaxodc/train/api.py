@@ -39,6 +39,7 @@ from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
 from jaxodc.balance.packing import pack
 from jaxodc.train.program import Program, compute_dtype_of, program_of
+from jaxodc.train.straggle import Straggle
 from jaxodc.train.units import Layout, StagedModel
 
 
@@ -246,6 +247,8 @@ class Trainer:
         fraction, sketch ratio), None for none; records then report wire bytes, kept fraction and
         peeled / estimated counts.
       precision: "fp32" or "bf16" (mixed precision, see `sharded_step`).
+      straggle: straggler injection (`jaxodc.train.straggle.Straggle`; records then carry the
+        injected seconds per microbatch), None for none; every rank the same (checked).
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
         link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
@@ -258,7 +261,8 @@ class Trainer:
     def __init__(self, model, optimizer: optax.GradientTransformation, *, comm: str = "odc",
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
-                 compress: Compression | None = None, precision: str = "fp32", **runtime_kwargs):
+                 compress: Compression | None = None, precision: str = "fp32", straggle: Straggle | None = None,
+                 **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -283,10 +287,14 @@ class Trainer:
             if ctx.world > 1:
                 config = {**self.step_fn.config(params, ctx.world, example), "balance": balance,
                           "max_tokens": self.max_tokens, "min_bucket": min_bucket,
-                          "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)]}
+                          "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)],
+                          "straggle": None if straggle is None else straggle.spec()}
                 check_same(functools.partial(ctx.allgather, "jaxodc/config/trainer"), config, ctx.rank,
                            "trainer config")
+            if straggle is not None:
+                straggle.check_world(ctx.world)
             self.state = self.step_fn.init(params, ctx=ctx, check=False, example_batch=example, **runtime_kwargs)
+            self.state.straggle = straggle
         except BaseException:
             self._close_ctx()
             raise

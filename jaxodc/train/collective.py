@@ -23,6 +23,7 @@ from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatches_for,
                                optimizer_step, plan_global_tokens)
 from jaxodc.train.program import compute_dtype_of, program_of
+from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
 
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
@@ -152,13 +153,16 @@ class CollectiveTrainer(ShardedTrainer):
     the loss and optimizer all-sums and `allgather_bytes` (the per-minibatch agreement checks) run
     over a `jaxodc.comm.lockstep.LockstepGroup` (shm on one host, tcp across hosts; `lockstep`:
     its keyword arguments, e.g. link="tcp", timeout_s). jax.distributed is still needed (the mesh,
-    and setting the group up). Compression runs on jax's collectives only."""
+    and setting the group up). Compression runs on jax's collectives only.
+
+    `straggle`: straggler injection (train.straggle.Straggle), None for none; settable later as
+    `trainer.straggle`. A slowed rank holds every rank up at the next collective."""
 
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
                  compress: CompressionPlan | None = None, transport: str = "gloo", lockstep: dict | None = None,
-                 example_batch=None, precision: str = "fp32", **unit_policy):
+                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None, **unit_policy):
         if transport not in TRANSPORTS:
             raise ValueError(f"CollectiveTrainer: transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "jaxodc" and compress is not None:
@@ -169,6 +173,9 @@ class CollectiveTrainer(ShardedTrainer):
         self.model, self.optimizer = model, optimizer
         self.precision, compute_dtype = precision, compute_dtype_of(precision)
         self.world, self.rank = jax.device_count(), jax.process_index()
+        self.straggle = straggle
+        if straggle is not None:
+            straggle.check_world(self.world)
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devs), (AXIS,))
         # model: a unit-staged model, a loss_fn(params, batch) (with example_batch) or a Program
@@ -296,10 +303,12 @@ class CollectiveTrainer(ShardedTrainer):
     def _allgather_i32(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self._gather_ints(self._global(x[None])).addressable_data(0))
 
-    def train_minibatch(self, microbatches: Sequence[dict], global_tokens: float, check: bool = True) -> StepResult:
+    def train_minibatch(self, microbatches: Sequence[dict], global_tokens: float, check: bool = True,
+                        sample_ids: Sequence[tuple[int, ...]] | None = None) -> StepResult:
         """One minibatch: this rank's microbatches (dicts of [1, T] arrays, same count and T on
         every rank -- pad with packing.empty), then the optimizer. `global_tokens`: loss tokens of
-        the whole minibatch over all ranks."""
+        the whole minibatch over all ranks. `sample_ids`: each microbatch's sample indices, where
+        known (train_plan): what straggler injection keys on."""
         mbs = list(microbatches)
         if check:
             shapes = repr([sorted((k, np.shape(v)) for k, v in mb.items()) for mb in mbs])
@@ -310,16 +319,19 @@ class CollectiveTrainer(ShardedTrainer):
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
         res, cpu0 = StepResult(self.version, 0.0, time.perf_counter(), 0.0), time.process_time()
+        res.straggle_s = None if self.straggle is None else []
         ntok = jnp.float32(global_tokens)
         acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
         counts = self._global(np.zeros(3, np.int32))
         loss = 0.0
-        for mb in mbs:
-            t0 = time.perf_counter()
+        for m, mb in enumerate(mbs):
+            t0, compiled0 = time.perf_counter(), compile_seconds()
             batch = jax.tree_util.tree_map(self._global, mb)
             acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, self.consts,
                                                            batch, ntok)
             loss += float(l)  # blocks: the interval covers this microbatch only
+            stall(self.straggle, res, self.version, self.rank, microbatch_identity(self.rank, m, sample_ids), t0,
+                  compiled0)
             res.microbatches.append((t0, time.perf_counter()))
         res.wire_bytes_units = {n: len(mbs) * w.total for n, w in self.gradient_wire.items()}
         res.wire_bytes = sum(res.wire_bytes_units.values())
@@ -377,7 +389,7 @@ class CollectiveTrainer(ShardedTrainer):
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
                                lockstep=True)
-        res = self.train_minibatch(mbs, plan_global_tokens(plan))
+        res = self.train_minibatch(mbs, plan_global_tokens(plan), sample_ids=plan.ranks[self.rank])
         res.ran = list(plan.ranks[self.rank])
         return res
 

@@ -151,6 +151,7 @@ class StepResult:
     estimated: int | None = None
     wire_bytes_units: dict[str, int] | None = None  # wire_bytes by unit
     kept_fraction: float | None = None  # of the compressed pieces' elements sent, the fraction kept
+    straggle_s: list[float] | None = None  # with straggler injection (train.straggle): seconds added per microbatch
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,

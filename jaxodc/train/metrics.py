@@ -42,6 +42,7 @@ class MinibatchRecord:
     kept_fraction: float | None = None
     peeled: int | None = None
     estimated: int | None = None
+    straggle_s: list | None = None  # injected seconds per microbatch (StepResult's; None: no injection)
 
     @property
     def busy(self) -> float:
@@ -60,7 +61,7 @@ class MinibatchRecord:
         """From a trainer's StepResult (jaxodc.train.collective)."""
         return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
                    samples, tokens, res.loss, comm, balance, None, res.wire_bytes, res.wire_bytes_selected,
-                   res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated)
+                   res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated, res.straggle_s)
 
 
 def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchRecord]]:

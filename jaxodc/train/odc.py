@@ -19,6 +19,7 @@ from jaxodc.ops import odc_gather, odc_gather_pieces
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_step, optimizer_updates,
                                plan_global_tokens)
 from jaxodc.train.program import compute_dtype_of, program_of
+from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
 
 
 class OdcRuntime(Protocol):
@@ -118,6 +119,8 @@ class OdcTrainer(ShardedTrainer):
       example_batch: a microbatch to trace a loss function on (program.traced_program).
       precision: "fp32", or "bf16" (FSDP2's mixed precision: units gathered and computed in bf16,
         gradients pushed in bf16 and accumulated in fp32 by the owners; masters and optimizer fp32).
+      straggle: straggler injection (train.straggle.Straggle), None for none; settable later as
+        `trainer.straggle`.
       **unit_policy: how a loss function's units are found (train.discover.discover_units).
     """
 
@@ -125,10 +128,13 @@ class OdcTrainer(ShardedTrainer):
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
                  gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None,
-                 example_batch=None, precision: str = "fp32", **unit_policy):
+                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None, **unit_policy):
         self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
         self.precision, compute_dtype = precision, compute_dtype_of(precision)
         self.world, self.rank = runtime.world, runtime.rank
+        self.straggle = straggle
+        if straggle is not None:
+            straggle.check_world(self.world)
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts
         self.compress = compress
@@ -244,17 +250,23 @@ class OdcTrainer(ShardedTrainer):
             np.add(master, np.asarray(out.pop(u.name)), out=master, casting="same_kind")
         return self.shards
 
-    def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:
+    def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float,
+                        sample_ids: Sequence[tuple[int, ...]] | None = None) -> StepResult:
+        """`sample_ids`: each microbatch's sample indices, where known (train_plan): what straggler
+        injection keys on (it may fill as `microbatches` is iterated)."""
         step, v = self.version, self.version - self._rt_base  # v: runtime version
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
         res, cpu0 = StepResult(step, 0.0, time.perf_counter(), 0.0), time.process_time()
+        res.straggle_s = None if self.straggle is None else []
         ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
         loss = 0.0
-        for mb in microbatches:
-            t0 = time.perf_counter()
+        for m, mb in enumerate(microbatches):
+            t0, compiled0 = time.perf_counter(), compile_seconds()
             l, _ = self._mb_step(self.shards, self.consts, jax.tree_util.tree_map(jnp.asarray, mb), ntok, ver)
             loss += float(l)
+            # after the compute, before the next claim: a slowed rank steals less
+            stall(self.straggle, res, step, self.rank, microbatch_identity(self.rank, m, sample_ids), t0, compiled0)
             res.microbatches.append((t0, time.perf_counter()))
         self.rt.done(v)
         self.rt.wait_complete(v)
@@ -291,7 +303,7 @@ class OdcTrainer(ShardedTrainer):
                 T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
                 yield pack([samples[i] for i in mb], T).as_dict()
 
-        res = self.train_minibatch(packed(), plan_global_tokens(plan))
+        res = self.train_minibatch(packed(), plan_global_tokens(plan), sample_ids=ran)
         res.ran = ran
         return res
 

@@ -1,0 +1,185 @@
+"""Straggler injection: slowdowns that no balancing plan foresees, for benchmarks and tests.
+
+Two kinds, both multiplying a microbatch's compute time by `factor`:
+
+- random: with probability `p` a microbatch is slowed, on whichever rank runs it. The draw hashes
+  (seed, minibatch, the microbatch's identity) and nothing else -- not the rank, not the clock --
+  so a microbatch that LB-Steal moves to another rank is slowed there too, and a run's slowed
+  microbatches are the same for every balancer that forms the same microbatches.
+- a throttled rank: `rank` runs every microbatch `factor` x slower during minibatches
+  [window[0], window[1]) (a thermally throttled or shared device).
+
+A microbatch hit by both runs factor² slower. A microbatch's identity is its sample indices within
+the minibatch (what `train_plan` knows); microbatches given to `train_minibatch` directly are
+identified by (rank, position). Minibatches count the trainer's steps (checkpoint restores keep them).
+
+The extra time is a sleep after the microbatch's compute, not busy work: the ranks of a test or
+benchmark share a host's few cores (one compute thread each, plus the ODC daemon threads that
+accumulate peers' pushes), and busy work would slow the other ranks and this rank's own daemon --
+the very things a straggler experiment measures -- where a real slow device slows only itself. A
+sleep is also exact in length. The microbatch's recorded interval includes the sleep (a straggler
+is busy, not idle: bubble figures count it as compute); `StepResult.straggle_s` holds each
+microbatch's injected seconds. "Compute time" is the microbatch's measured wall time without jax's
+compilation (a first call would otherwise sleep (factor-1) x its compile time); under
+comm="collective" it includes waiting inside the lock-step collectives, as its intervals do.
+
+Injection changes only timing (and, under LB-Steal, which rank runs what), never the math: the
+trained result stays the same up to fp32 summation order.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+
+FIELDS = ("p", "factor", "rank", "window", "seed")
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@dataclass(frozen=True)
+class Straggle:
+    """Where and how much to slow microbatches (see the module docstring).
+
+    Args:
+      p: probability that a microbatch is slowed, in [0, 1].
+      factor: a slowed microbatch takes `factor` x its compute time (>= 1).
+      rank: the throttled rank (None: none); needs `window`.
+      window: the minibatches [start, stop) during which `rank` is throttled.
+      seed: the seed of the random slowdowns (>= 0).
+    """
+
+    p: float = 0.0
+    factor: float = 3.0
+    rank: int | None = None
+    window: tuple[int, int] | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = lambda field, why: ValueError(f"straggle {field}: {why}")  # noqa: E731
+        if not 0.0 <= self.p <= 1.0:
+            raise bad("p", f"a probability in [0, 1], got {self.p!r}")
+        if not 1.0 <= self.factor < math.inf:
+            raise bad("factor", f"a finite slowdown >= 1, got {self.factor!r}")
+        if (self.rank is None) != (self.window is None):
+            raise bad("rank" if self.rank is None else "window", "rank and window go together (a rank is "
+                      "throttled for a window of minibatches)")
+        if self.rank is not None and self.rank < 0:
+            raise bad("rank", f"a rank >= 0, got {self.rank!r}")
+        if self.window is not None and not (len(self.window) == 2 and 0 <= self.window[0] < self.window[1]):
+            raise bad("window", f"minibatches start:stop with 0 <= start < stop, got {self.window!r}")
+        if self.seed < 0:
+            raise bad("seed", f"an integer >= 0, got {self.seed!r}")
+
+    @classmethod
+    def default(cls) -> "Straggle":
+        """`--straggle default`: one microbatch in ten runs 3x slower, no rank throttled -- a mean
+        slowdown of 1.2x spread unevenly over ranks and minibatches, which a static plan cannot
+        absorb and stealing can."""
+        return cls(p=0.1, factor=3.0, seed=0)
+
+    def spec(self) -> str:
+        """The `--straggle` value that parses back to this spec."""
+        parts = [f"p={self.p:g}", f"factor={self.factor:g}"]
+        if self.rank is not None:
+            parts += [f"rank={self.rank}", f"window={self.window[0]}:{self.window[1]}"]
+        return ",".join(parts + [f"seed={self.seed}"])
+
+    def check_world(self, world: int) -> None:
+        """Raises ValueError when the throttled rank is not one of `world` ranks."""
+        if self.rank is not None and self.rank >= world:
+            raise ValueError(f"straggle rank: {self.rank} is not a rank of this {world}-rank job")
+
+    def slowed(self, step: int, identity: tuple) -> bool:
+        """Whether the random slowdown hits microbatch `identity` of minibatch `step`."""
+        if self.p <= 0.0:
+            return False
+        digest = hashlib.blake2b(repr((self.seed, int(step), identity)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2.0 ** 64 < self.p
+
+    def slowdown(self, step: int, rank: int, identity: tuple) -> float:
+        """How many times its compute time microbatch `identity` of minibatch `step` takes on `rank`."""
+        throttled = self.rank == rank and self.window[0] <= step < self.window[1]
+        return (self.factor if self.slowed(step, identity) else 1.0) * (self.factor if throttled else 1.0)
+
+
+def microbatch_identity(rank: int, position: int, sample_ids: Sequence[Sequence[int]] | None = None) -> tuple:
+    """What the random slowdown keys on: the microbatch's sample indices within the minibatch when
+    known and non-empty (the same on whichever rank runs it), else (rank, position) (raw
+    microbatches, and the collective trainer's all-padding ones)."""
+    if sample_ids is not None and position < len(sample_ids) and len(sample_ids[position]):
+        return ("samples", tuple(int(i) for i in sample_ids[position]))
+    return ("position", int(rank), int(position))
+
+
+def parse_straggle(spec: str | None) -> Straggle | None:
+    """`--straggle` values: "none" (or None / ""), "default" (`Straggle.default`), or key=value
+    pairs over p, factor, rank, window (start:stop), seed, e.g. "p=0.2,factor=3,rank=1,window=2:5"."""
+    if spec is None or spec.strip() in ("", "none"):
+        return None
+    if spec.strip() == "default":
+        return Straggle.default()
+    kwargs = {}
+    for part in spec.split(","):
+        key, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or key not in FIELDS:
+            raise ValueError(f"--straggle {spec!r}: expected 'none', 'default' or key=value pairs over "
+                             f"{', '.join(FIELDS)}; got {part!r}")
+        if key in kwargs:
+            raise ValueError(f"--straggle {spec!r}: {key} given twice")
+        try:
+            if key == "window":
+                start, colon, stop = value.partition(":")
+                if not colon:
+                    raise ValueError
+                kwargs[key] = (int(start), int(stop))
+            else:
+                kwargs[key] = float(value) if key in ("p", "factor") else int(value)
+        except ValueError:
+            want = "start:stop (minibatches)" if key == "window" else "a number" if key in ("p", "factor") \
+                else "an integer"
+            raise ValueError(f"--straggle {spec!r}: {key} must be {want}, got {value!r}") from None
+    try:
+        return Straggle(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"--straggle {spec!r}: {str(e).removeprefix('straggle ')}") from None
+
+
+class _CompileClock(threading.local):
+    seconds = 0.0
+
+
+_compile_clock = _CompileClock()
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:  # reported on the compiling thread
+        _compile_clock.seconds += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_seconds() -> float:
+    """Seconds this thread has spent in jax compilation (monotonic): subtracted from a
+    microbatch's measured time."""
+    return _compile_clock.seconds
+
+
+def stall(straggle: Straggle | None, res, step: int, rank: int, identity: tuple, t0: float,
+          compiled0: float) -> None:
+    """Called by the trainers right after a microbatch's compute, which began at perf_counter `t0`
+    with `compile_seconds()` at `compiled0`: sleeps its injected delay and records it in
+    `res.straggle_s` (nothing without a spec)."""
+    if straggle is None:
+        return
+    compute = max(time.perf_counter() - t0 - (compile_seconds() - compiled0), 0.0)
+    delay = (straggle.slowdown(step, rank, identity) - 1.0) * compute
+    if delay > 0:
+        time.sleep(delay)
+    res.straggle_s.append(delay)
