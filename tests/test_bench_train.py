@@ -18,11 +18,18 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",
-           "--calib-reps", "1", "--pool", "32", "--timeout", "150"]
+           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--timeout", "150"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
-    train = [r for r in records if r["kind"] == "train"]
+    injected = [r for r in records if r["kind"] == "train" and r["straggle"]]
+    assert sorted((r["comm"], r["balance"], r["minibatch"]) for r in injected) == sorted(
+        (c, b, mb) for c, b in COMBOS for mb in MBS)  # every combo again, under injection
+    assert all(r["straggle"] == "p=0.1,factor=3,seed=0" for r in injected)
+    assert {(b["bar"].split(" (straggle")[0], b["minibatch"]) for b in records
+            if b["kind"] == "bar" and "straggle" in b["bar"]} >= {
+        ("odc+lb_steal / odc+lb_mini samples/s", 4), ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", 8)}
+    train = [r for r in records if r["kind"] == "train" and not r["straggle"]]
     got = sorted((r["comm"], r["balance"], r["minibatch"]) for r in train)
     assert got == sorted((c, b, mb) for c, b in COMBOS for mb in MBS)
     for r in train:
