@@ -9,7 +9,9 @@ import pytest
 from harness import run_ranks
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, parse_straggle, stall
 
-W, B, MAX_TOKENS, STEPS, LR = 2, 4, 64, 3, 1e-2
+from test_odc_trainer import B, MAX_TOKENS, STEPS, W, _setup  # the same model and data as the ODC trainer tests
+
+LR = 1e-2
 # Rank 0 is throttled in minibatches 1-2 (where it holds every microbatch: rank 1 can only steal)
 # and half the microbatches are slowed wherever they run.
 ODC_STRAGGLE = Straggle(p=0.75, factor=3.0, rank=0, window=(1, 3), seed=7)
@@ -114,17 +116,6 @@ def test_stall_sleeps_factor_minus_one_times_the_compute():
 
 
 # -- the trainers -------------------------------------------------------------------------------
-
-def _setup():
-    import jax
-    from jaxodc.data import minibatches, synthetic_text
-    from jaxodc.models.lm import LM, LMConfig
-    model = LM(LMConfig(d_model=32, n_layers=2, n_heads=2))
-    params = model.init(jax.random.PRNGKey(0))
-    samples = synthetic_text("longalign", 64, MAX_TOKENS, seed=3, min_len=4)
-    mbs = [idx for _, idx in zip(range(STEPS), minibatches(len(samples), W * B, seed=5))]
-    return model, params, samples, mbs
-
 
 def _steal_plans(samples, mbs):
     """LB-Steal plans; from minibatch 1 on, every microbatch sits in rank 0's deque."""
