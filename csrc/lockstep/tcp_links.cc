@@ -37,11 +37,8 @@ TcpLinks::TcpLinks(Group& group, const std::string& host) : group_(group) {
 
 void TcpLinks::accept_loop() {
   while (!stop_.load()) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    const int fd = tcp::accept_ready(listen_fd_, 100);
     if (fd < 0) continue;
-    tcp::tune_socket(fd);
     std::lock_guard<std::mutex> lock(mu_);
     fds_.push_back(fd);
     threads_.emplace_back([this, fd] { receive(fd); });

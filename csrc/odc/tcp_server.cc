@@ -36,11 +36,8 @@ TcpServer::TcpServer(Core& core, const std::string& host) : core_(core) {
 
 void TcpServer::accept_loop() {
   while (!core_.stop.load()) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    const int fd = tcp::accept_ready(listen_fd_, 100);
     if (fd < 0) continue;
-    tcp::tune_socket(fd);
     std::lock_guard<std::mutex> lock(mu_);
     fds_.push_back(fd);
     threads_.emplace_back([this, fd] { serve(fd); });

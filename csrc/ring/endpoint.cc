@@ -111,13 +111,12 @@ void Endpoint::close() {
 
 void Endpoint::accept_loop() {
   while (!closing_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    int rc = poll(&p, 1, 100);
-    if (closing_) break;
-    if (rc <= 0) continue;
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    int fd = tcp::accept_ready(listen_fd_, 100);
+    if (closing_) {
+      if (fd >= 0) ::close(fd);
+      break;
+    }
     if (fd < 0) continue;
-    tcp::tune_socket(fd);
     std::vector<std::thread> finished;
     {
       std::lock_guard<std::mutex> g(mu_);

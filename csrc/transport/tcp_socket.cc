@@ -240,6 +240,14 @@ void send_within(int fd, const void* buf, size_t n, double timeout_s, const std:
   }
 }
 
+int accept_ready(int listen_fd, int timeout_ms) {
+  pollfd p{listen_fd, POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) <= 0) return -1;
+  const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd >= 0) tune_socket(fd);
+  return fd;
+}
+
 void send_shaped(int fd, const void* buf, size_t n, Link& link, double timeout_s, const std::string& what) {
   const double deadline = now_seconds() + timeout_s;
   const char* p = static_cast<const char*>(buf);

@@ -28,6 +28,10 @@ int listen_on(const std::string& host, int port, int* bound_port);
 // elapses; abort_flag (may be null) is checked at least every 50 ms (TcpError kAborted).
 int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool>* abort_flag);
 
+// Waits up to timeout_ms for a connection on listen_fd: the accepted socket (close-on-exec,
+// tuned), or -1 when none came (the accept loops poll so they can see their stop flag).
+int accept_ready(int listen_fd, int timeout_ms);
+
 void set_nonblocking(int fd, bool on);
 void tune_socket(int fd);  // TCP_NODELAY and large kernel buffers
 
