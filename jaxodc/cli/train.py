@@ -83,6 +83,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
     a("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
+    from jaxodc.cli import sites
+    sites.add_arguments(p.add_argument_group("across sites (jaxodc.train.sites)"))
     return p
 
 
@@ -339,9 +341,13 @@ def main(argv: list[str]) -> int:
                 straggle.check_world(args.ranks)
         if args.export:
             check_writable_dir(os.path.dirname(os.path.abspath(args.export)), "--export")
+        from jaxodc.cli import sites
+        sites.check(args)
     except (ValueError, OSError) as e:
         print(f"jaxodc train: {e}", file=sys.stderr)
         return 2
+    if sites.enabled(args):
+        return _main_sites(args, launched)
     if args.worker:
         worker(args)
         return 0
@@ -365,6 +371,27 @@ def main(argv: list[str]) -> int:
         if tmp:
             os.unlink(tmp)
     return 0
+
+
+def _main_sites(args, launched: bool) -> int:
+    """--groups / --coord: this process is a rank of one site, or starts every site here."""
+    from jaxodc.cli import sites
+    if args.worker or launched:
+        sites.worker(args, model_of, load_samples)
+        return 0
+    tmp = None
+    if not args.json:
+        tmp = tempfile.mkdtemp(prefix="jaxodc_sites_")
+        args.json = os.path.join(tmp, "records")
+    args.json = os.path.abspath(args.json)
+    try:
+        status = sites.run_local(args, _worker_argv(args))
+        sites.report(args.json, args.groups)
+    finally:
+        if tmp:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    return status
 
 
 def _worker_argv(args) -> list[str]:

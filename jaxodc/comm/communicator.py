@@ -111,12 +111,15 @@ class Communicator:
       ring_timeout_s: how long a ring transfer may stall before it is aborted.
       host_master: run the coordination service in this process.
       master_heartbeat_timeout_s: the embedded service's dead-peer timeout.
+      link: an emulated network (`jaxodc.odc.Link(mbps, ms)`) for this peer's outgoing ring
+        links, set on every neighbour of each ring installed: how one machine stands in for sites
+        joined by a slow WAN. Shared-state transfers are not shaped.
     """
 
     def __init__(self, address: str | None, peer_group: int = 0, secret: bytes = b"", pool_size: int = 2,
                  heartbeat_s: float = 0.5, timeout_s: float = 60.0, host: str = "127.0.0.1",
                  ring_timeout_s: float = 10.0, host_master: bool = False,
-                 master_heartbeat_timeout_s: float | None = None):
+                 master_heartbeat_timeout_s: float | None = None, link=None):
         if isinstance(secret, str):
             secret = secret.encode()
         self.peer_group = int(peer_group)
@@ -126,6 +129,7 @@ class Communicator:
         self.timeout_s = timeout_s
         self.host = host
         self.ring_timeout_s = ring_timeout_s
+        self.link = link
         self.master = None
         if host_master:
             from jaxodc.coord.service import CoordinatorService
@@ -369,6 +373,10 @@ class Communicator:
         ring, rank, epoch = list(r["ring"]), int(r["rank"]), int(r["epoch"])
         ok, reason = True, None
         try:
+            if self.link is not None:
+                for peer in ring:
+                    if peer != self.ep.address:
+                        self.ep.set_link(peer, self.link.mbps * 1e6 / 8 or None, self.link.ms / 1e3)
             if len(ring) > 1:
                 self.ep.connect_ring(ring, rank, epoch)
         except Exception as e:

@@ -108,7 +108,8 @@ class DiLoCo:
 
     Args:
       comm: a connected :class:`~jaxodc.comm.Communicator`.
-      inner_opt: any Optax optimizer, run on θ_local.
+      inner_opt: any Optax optimizer, run on θ_local; None for custom loops that train θ_local
+        themselves (a sharded trainer, jaxodc.train.sites).
       outer_opt: the outer optimizer; default :func:`default_outer_optimizer`.
       inner_steps: H, the inner steps per outer step.
       loss_fn: ``loss_fn(params, batch) -> scalar``, needed by :meth:`step` and :meth:`inner_step`.
@@ -118,6 +119,9 @@ class DiLoCo:
         Default 1, or 0 when asynchronous (a sync must first wait for the in-flight all-reduce).
       quantize: None, ``"uint8"`` or ``"uint16"``: the pseudo-gradients' transfer format.
       tag: all-reduce tag of the pseudo-gradients (see :class:`PseudoGradientReducer`).
+      agree: combines the group's "peers pending" answer with the answers of partners outside the
+        group that must admit newcomers at the same outer step (a site's ranks, each in its own
+        ring: jaxodc.train.sites); every partner must make the same calls. None: the answer as is.
 
     Example:
       >>> dl = DiLoCo(comm, optax.adamw(3e-4), inner_steps=50, loss_fn=loss_fn).init(params)
@@ -126,10 +130,10 @@ class DiLoCo:
       >>> dl.flush()
     """
 
-    def __init__(self, comm: Communicator, inner_opt: optax.GradientTransformation,
+    def __init__(self, comm: Communicator, inner_opt: optax.GradientTransformation | None,
                  outer_opt: optax.GradientTransformation | None = None, inner_steps: int = 1, *,
                  loss_fn: Callable | None = None, asynchronous: bool = False, sync_every: int | None = None,
-                 quantize: str | None = None, tag: int = DEFAULT_TAG):
+                 quantize: str | None = None, tag: int = DEFAULT_TAG, agree: Callable[[bool], bool] | None = None):
         if int(inner_steps) < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         self.comm = comm
@@ -140,6 +144,7 @@ class DiLoCo:
         self.asynchronous = bool(asynchronous)
         self.sync_every = int((0 if asynchronous else 1) if sync_every is None else sync_every)
         self.reducer = PseudoGradientReducer(comm, quantize=quantize, tag=tag)
+        self.agree = agree
         self.global_params = self.outer_state = self.params = self.inner_state = None
         self.outer_steps = 0        # outer steps completed on this peer
         self.inner_count = 0        # inner steps done in the current outer step
@@ -163,7 +168,7 @@ class DiLoCo:
         params = jax.tree.map(jnp.asarray, params)
         self.global_params = self.params = params
         self.outer_state = self.outer_opt.init(params)
-        self.inner_state = self.inner_opt.init(params)
+        self.inner_state = None if self.inner_opt is None else self.inner_opt.init(params)
         return self
 
     def _who(self) -> str:
@@ -236,7 +241,7 @@ class DiLoCo:
             comm.update_topology()
             # alone, it founds the group and keeps its state; otherwise its stale state must not win
             strategy = "receive_only" if comm.world_size > 1 else "enforce_popular"
-        elif comm.are_peers_pending():
+        elif self._peers_pending():
             if self._pending is not None:
                 self._pending.result()  # finish over the current group: newcomers have no part in it
             comm.update_topology()
@@ -249,6 +254,10 @@ class DiLoCo:
         self.inner_count = 0
         self._begun = True
 
+    def _peers_pending(self) -> bool:
+        pending = self.comm.are_peers_pending()
+        return pending if self.agree is None else bool(self.agree(pending))
+
     # --- training --------------------------------------------------------------------------------
 
     def inner_step(self, batch) -> jax.Array:
@@ -260,8 +269,8 @@ class DiLoCo:
         Returns:
           The loss before the step.
         """
-        if self.loss_fn is None:
-            raise ValueError(f"{self._who()}: DiLoCo needs loss_fn for inner_step()/step(); "
+        if self.loss_fn is None or self.inner_opt is None:
+            raise ValueError(f"{self._who()}: DiLoCo needs loss_fn and inner_opt for inner_step()/step(); "
                              f"custom loops update .params themselves")
         self.begin_outer()
         self.params, self.inner_state, loss = _inner_update(self.loss_fn, self.inner_opt, self.params,

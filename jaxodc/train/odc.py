@@ -135,6 +135,9 @@ class OdcTrainer(ShardedTrainer):
         self.straggle = straggle
         if straggle is not None:
             straggle.check_world(self.world)
+        # (grads, global_tokens) -> grads, applied to the owner's complete gradient shards before
+        # the optimizer: hybrid sharding averages them across sites (train.sites); None: as they are
+        self.grad_exchange = None
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts
         self.compress = compress
@@ -273,7 +276,10 @@ class OdcTrainer(ShardedTrainer):
         self._record_traffic(res)  # my pushes and my shards' decoding of minibatch v are complete
         t0 = time.perf_counter()
         # The gradients are read where they accumulated (no copy on the CPU backend) ...
-        grads = {u.name: jax.device_put(self.rt.grad_view(u.index)) for u in self.layout.units}
+        grads = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
+        if self.grad_exchange is not None:
+            grads = self.grad_exchange(grads, global_tokens)
+        grads = {n: jax.device_put(g) for n, g in grads.items()}
         shards = self._optimize(grads, ver)
         del grads
         # ... and cleared before the next version is announced: peers push into them right after.

@@ -1,0 +1,243 @@
+"""`jaxodc train --groups G --ranks W --diloco H`: one job across G sites of W ranks each.
+
+On one machine this process starts the coordination service and one `jaxodc launch -n W` per site
+(the links between sites emulated with --wan-mbps / --wan-ms); across real hosts each site runs its
+own launch with --coord HOST:PORT of a `jaxodc master` and --site S (README, "Across sites"). A
+site's ranks train with ODC inside the site and with DiLoCo (or hybrid sharding) across sites
+(jaxodc.train.sites). Each site's rank 0 prints a line per outer step and writes every rank's
+records to --json (one file per site: PATH.siteS.json)."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+JSON_SUFFIX = ".site{}.json"
+
+
+def add_arguments(p) -> None:
+    a = p.add_argument
+    a("--groups", type=int, default=0, help="sites (groups of --ranks ranks) trained as one job; 0: one site, no "
+                                           "cross-site exchange")
+    a("--diloco", type=int, default=0, metavar="H", help="DiLoCo across sites every H inner minibatches")
+    a("--hybrid", action="store_true", help="hybrid sharding across sites: every minibatch's gradient averaged")
+    a("--async", dest="async_diloco", action="store_true", help="async DiLoCo (outer all-reduce overlapped, "
+                                                                 "applied one outer step late)")
+    a("--quantize", default="none", choices=("none", "uint8", "uint16"), help="pseudo-gradient transfer format")
+    a("--outer-lr", type=float, default=0.7, help="DiLoCo outer Nesterov SGD learning rate")
+    a("--outer-momentum", type=float, default=0.9, help="DiLoCo outer momentum (0: plain SGD)")
+    a("--wan-mbps", type=float, default=0.0, help="emulate links of this many Mbit/s between sites")
+    a("--wan-ms", type=float, default=0.0, help="emulate this many ms of one-way latency between sites")
+    a("--coord", metavar="HOST:PORT", help="the coordination service of a job across hosts (jaxodc master)")
+    a("--site", type=int, default=-1, help="this site's id when started by hand across hosts")
+    a("--secret-file", metavar="FILE", help="the job's shared secret (the master's --secret-file)")
+
+
+def enabled(args) -> bool:
+    return args.groups > 0 or args.coord is not None
+
+
+def check(args) -> None:
+    if args.diloco < 0:
+        raise ValueError(f"--diloco must be >= 0, got {args.diloco}")
+    if not enabled(args):
+        if args.diloco or args.hybrid or args.async_diloco:
+            raise ValueError("--diloco / --hybrid / --async need --groups G (or --coord across hosts)")
+        return
+    if bool(args.diloco) == bool(args.hybrid):
+        raise ValueError("across sites give either --diloco H or --hybrid")
+    if args.hybrid and args.async_diloco:
+        raise ValueError("--async applies to --diloco, not --hybrid")
+    if args.comm != "odc":
+        raise ValueError(f"sites shard with ODC inside a site; --comm {args.comm} is not supported with --groups")
+    if args.coord and args.site < 0:
+        raise ValueError("--coord needs --site S (this site's id)")
+
+
+def config_of(args, secret: bytes):
+    from jaxodc.odc import Link
+    from jaxodc.train.sites import SiteConfig
+    return SiteConfig(address=args.coord, secret=secret, mode="hybrid" if args.hybrid else "diloco",
+                      inner_steps=args.diloco or 1, asynchronous=args.async_diloco,
+                      quantize=None if args.quantize == "none" else args.quantize, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum,
+                      wan=Link(args.wan_mbps, args.wan_ms) if args.wan_mbps or args.wan_ms else None,
+                      timeout_s=60.0, min_sites=max(args.groups, 1))
+
+
+def outer_steps(args) -> int:
+    """--steps counts each site's inner minibatches (the token budget); outer steps cover them."""
+    return -(-args.steps // (args.diloco or 1))
+
+
+def _read_secret(path: str | None) -> bytes:
+    if not path:
+        return b""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# --------------------------------------------------------------------------- rank side
+
+def worker(args, model_of, load_samples) -> None:
+    """One rank of one site: the site's ODC trainer, then outer steps until the job has done
+    outer_steps(args) of them (a newcomer learns the job's count at its first sync)."""
+    import optax
+
+    from jaxodc.balance.cost import CostModel
+    from jaxodc.launch.context import init_from_env, shutdown
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.train.api import Trainer
+    from jaxodc.train.sites import SiteRank, site_minibatches
+
+    ctx = init_from_env()
+    say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
+    model, params = model_of(args)
+    opt = optax.adam(args.lr)
+    if args.clip > 0:
+        opt = optax.chain(clip_by_global_norm(args.clip), opt)
+    samples = load_samples(args, ctx.world)
+    cfg = config_of(args, _read_secret(args.secret_file))
+    H = args.diloco or 1
+    total = outer_steps(args)
+    records = []
+    try:
+        trainer = Trainer(model, opt, comm="odc", balance=args.balance or "lb_mini", max_tokens=args.max_tokens,
+                          params=params, cost=CostModel.for_transformer(args.d_model), ctx=ctx,
+                          min_bucket=args.min_bucket or None, precision=args.precision, transport=args.transport)
+        site = SiteRank(trainer, cfg, site=args.site)
+        try:
+            while True:
+                events = site.begin()
+                k = site.outer_step_count()
+                if k >= total:
+                    break
+                mbs = site_minibatches(len(samples), args.minibatch, ctx.world, args.site, k, H, seed=2)
+                rec = site.outer_step(samples.tokens, mbs)
+                rec.events = events + rec.events
+                records.append(rec)
+                for e in rec.events:
+                    say(f"site {args.site}: {e}")
+                say(f"site {args.site} outer step {k}: loss {rec.loss:.4f}, sites {rec.sites}, "
+                    f"{rec.seconds:.2f} s ({rec.compute_s:.2f} s inner), {rec.bytes_sent / 1e6:.3g} MB sent by rank 0")
+            site.finish()
+            final = site.global_shards()
+        finally:
+            site.close()
+        trainer.close()
+    except BaseException:
+        ctx.rendezvous.close()  # no final barrier: the other ranks may be stuck
+        if ctx.server is not None:
+            ctx.server.close()
+        raise
+    from dataclasses import asdict
+    import msgpack
+    import numpy as np
+    blob = msgpack.packb({"records": [asdict(r) for r in records],
+                          "shards": {k: np.asarray(v, np.float32).tobytes() for k, v in final.items()}})
+    every = [msgpack.unpackb(b) for b in ctx.allgather("jaxodc/sites/records", blob)]
+    if ctx.rank == 0 and args.json:
+        out = {"site": args.site, "records": [r for e in every for r in e["records"]],
+               "shards": [{k: list(np.frombuffer(v, np.float32).astype(float)) for k, v in e["shards"].items()}
+                          for e in every]}
+        path = args.json + JSON_SUFFIX.format(args.site)
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)
+    shutdown(ctx)
+
+
+# --------------------------------------------------------------------------- this machine
+
+def start_site(args, worker_argv: list[str], site: int, coord: str, secret_file: str, *, stdout=None,
+               stderr=None) -> subprocess.Popen:
+    """`jaxodc launch -n W` of one site's ranks, in its own session (a site ends as one)."""
+    from jaxodc.launch.launcher import RANK_ENV
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, **RANK_ENV,
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    argv = [a for a in worker_argv]
+    argv += ["--coord", coord, "--site", str(site), "--secret-file", secret_file]
+    cmd = [sys.executable, "-m", "jaxodc", "launch", "-n", str(args.ranks), "--timeout", str(int(args.timeout)),
+           "-m", "jaxodc.cli.train"] + argv
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+class LocalJob:
+    """The coordination service in this process, a secret file and the sites' launchers."""
+
+    def __init__(self, args, worker_argv: list[str]):
+        from jaxodc.coord.service import CoordinatorService
+        self.args, self.worker_argv = args, worker_argv
+        secret = secrets.token_bytes(32)
+        fd, self.secret_file = tempfile.mkstemp(prefix="jaxodc_sites_", suffix=".secret")
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        # a dead site is noticed by its closed sockets at once; the timeout covers a silent host
+        self.service = CoordinatorService("127.0.0.1", 0, secret, heartbeat_timeout_s=5.0).start()
+        self.sites: dict[int, subprocess.Popen] = {}
+
+    def start(self, site: int, **popen) -> subprocess.Popen:
+        self.sites[site] = start_site(self.args, self.worker_argv, site, self.service.address, self.secret_file,
+                                      **popen)
+        return self.sites[site]
+
+    def close(self) -> None:
+        for p in self.sites.values():
+            if p.poll() is None:
+                p.terminate()  # the launcher forwards it to its ranks
+        for p in self.sites.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.service.stop()
+        os.unlink(self.secret_file)
+
+
+def run_local(args, worker_argv: list[str]) -> int:
+    """Starts G sites on this machine and waits for them; returns the worst exit status."""
+    job = LocalJob(args, worker_argv)
+    try:
+        for s in range(args.groups):
+            job.start(s)
+        status = 0
+        deadline = time.monotonic() + args.timeout
+        for s, p in job.sites.items():
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"jaxodc train: site {s} still running after --timeout {args.timeout:g} s", file=sys.stderr)
+                rc = 124
+            if rc:
+                print(f"jaxodc train: site {s} ended with status {rc}", file=sys.stderr)
+            status = status or rc
+        return status
+    finally:
+        job.close()
+
+
+def report(json_path: str, groups: int) -> None:
+    """Per site: outer steps, final loss, cross-site bytes per token, mean outer step seconds."""
+    print(f"\n{'site':<6}{'outer steps':>12}{'final loss':>12}{'tokens':>10}{'WAN B/token':>13}{'outer s':>10}"
+          f"{'inner s':>10}")
+    for s in range(groups):
+        path = json_path + JSON_SUFFIX.format(s)
+        if not os.path.exists(path):
+            print(f"{s:<6}  (no records)")
+            continue
+        with open(path) as f:
+            recs = json.load(f)["records"]
+        r0 = [r for r in recs if r["rank"] == 0]
+        if not r0:
+            continue
+        tokens = sum(r["tokens"] for r in r0)
+        sent = sum(r["bytes_sent"] for r in recs)
+        print(f"{s:<6}{len(r0):>12}{r0[-1]['loss']:>12.4f}{tokens:>10}{sent / max(tokens, 1):>13.3g}"
+              f"{sum(r['seconds'] for r in r0) / len(r0):>10.2f}{sum(r['compute_s'] for r in r0) / len(r0):>10.2f}")
