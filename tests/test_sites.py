@@ -73,3 +73,41 @@ def test_diloco_across_odc_groups_equals_simulation(tmp_path, asynchronous):
     recs = [r for s in sites for r in s["records"]]
     assert sorted({r["outer_step"] for r in recs}) == [0, 1, 2]
     assert all(r["sites"] == 2 for r in recs)
+
+
+def test_site_killed_in_the_outer_all_reduce_and_a_site_joining(tmp_path):
+    """3 founding sites and a 4th joining the running job; then a rank of site 2 is SIGKILLed as
+    it starts an outer all-reduce over a slow link. Its launcher ends the site; the rings'
+    survivors retry without it and go on; at every outer step every ring's shared state is
+    bit-identical on every site that ran it, the joined site's from its first outer step on."""
+    from jaxodc.cli import sites
+    from jaxodc.cli.train import parser, worker_argv
+    out, stop = str(tmp_path / "rec"), str(tmp_path / "stop")
+    args = parser().parse_args(["--groups", "3", "--diloco", "2", "--steps", "100000", "--wan-mbps", "4",
+                                "--wan-ms", "10", "--trace-sites", "--stop-file", stop, "--json", out, *SMALL])
+    job = sites.LocalJob(args, worker_argv(args), echo=None)
+    try:
+        for s in range(3):
+            job.start(s)
+        job.wait_for(r"site 0 outer step 0: loss", timeout_s=240)  # a joiner into an empty job founds it
+        job.start(3, join=True)
+        job.wait_for(r"site 3: joined: ring of 4 site\(s\), state fetched", timeout_s=240)
+        job.wait_for(r"site 2 outer step \d+: exchange", timeout_s=120)
+        job.kill_rank(2, index=1)
+        job.wait_for(r"site 0: sites 4 -> 3", timeout_s=120)
+        k = job.outer_done
+        job.wait_outer(k + 3, timeout_s=120)
+        open(stop, "w").close()
+        status = job.wait(timeout_s=120)
+    finally:
+        job.close()
+    log = "\n".join(line for _, line in job.lines)
+    assert status[2] != 0 and all(status[s] == 0 for s in (0, 1, 3)), (status, log[-3000:])
+    per = sites.ring_hashes(out, [0, 1, 2, 3])
+    assert all(len(set(h.values())) == 1 for h in per.values()), {k: h for k, h in per.items() if len(set(h.values())) > 1}
+    joined = [r for r in sites.read_records(out, 3)]
+    assert joined and min(r["outer_step"] for r in joined) > 0         # site 3 joined mid-run
+    assert sum(1 for (ring, k), h in per.items() if 3 in h and len(h) >= 3) >= 2 * 3  # it agreed with the others
+    survivors = [r for s in (0, 1) for r in sites.read_records(out, s)]
+    assert any(r["retries"] > 0 for r in survivors), "no survivor re-ran an outer all-reduce"
+    assert any(r["sites"] == 3 for r in survivors) and "sites 4 -> 3" in log

@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
                 return 0
         else:
             from jaxodc.launch.launcher import launch_ranks
-            launch_ranks(args.ranks, "jaxodc.cli.train", _worker_argv(args), timeout_s=args.timeout)
+            launch_ranks(args.ranks, "jaxodc.cli.train", worker_argv(args), timeout_s=args.timeout)
         report(args.json, args.timeline, None if tmp else args.json)
     finally:
         if tmp:
@@ -385,7 +385,7 @@ def _main_sites(args, launched: bool) -> int:
         args.json = os.path.join(tmp, "records")
     args.json = os.path.abspath(args.json)
     try:
-        status = sites.run_local(args, _worker_argv(args))
+        status = sites.run_local(args, worker_argv(args))
         sites.report(args.json, args.groups)
     finally:
         if tmp:
@@ -394,7 +394,7 @@ def _main_sites(args, launched: bool) -> int:
     return status
 
 
-def _worker_argv(args) -> list[str]:
+def worker_argv(args) -> list[str]:
     """The rank processes' argv: this invocation's options plus --worker."""
     out = ["--worker"]
     for action in parser()._actions:

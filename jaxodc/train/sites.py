@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import optax
@@ -45,8 +45,8 @@ class SiteConfig:
         plain SGD; lr 1, momentum 0 and H = 1 with an SGD inner optimizer is hybrid sharding).
       wan: the emulated link between sites (`jaxodc.odc.Link(mbps, ms)`), None for none.
       timeout_s: how long any wait on the service or a peer may take.
-      min_sites: the founding sites: training starts once this many are in every ring (so that
-        they start from the same step); later sites join between outer steps.
+      founders: the founding sites: training starts once this many are in every ring (so that
+        they start from the same step). Sites started later join a running job (SiteRank's join).
     """
 
     address: str
@@ -59,7 +59,7 @@ class SiteConfig:
     outer_momentum: float = 0.9
     wan: object | None = None
     timeout_s: float = 60.0
-    min_sites: int = 1
+    founders: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -92,6 +92,7 @@ class OuterRecord:
     sites: int               # sites in this rank's ring after the step
     bytes_sent: int          # this rank's cross-site bytes during the step
     state_hash: int          # the ring's shared state (diloco) or this rank's shards (hybrid)
+    retries: int = 0         # outer all-reduces of this rank re-run after a failure, so far
     events: list = field(default_factory=list)  # membership changes seen at this step
 
 
@@ -117,6 +118,8 @@ class SiteRank:
       trainer: the site's `jaxodc.train.api.Trainer` with comm="odc" (any balancer).
       config: a `SiteConfig`, the same on every rank of every site.
       site: this site's id (for records and logs).
+      join: this site joins a running job: it is voted in at the job's next outer step and fetches
+        θ_global and the outer optimizer state (diloco only); otherwise it is one of the founders.
 
     Example:
       >>> rank = SiteRank(trainer, SiteConfig(address, secret, inner_steps=16), site=0)
@@ -125,7 +128,7 @@ class SiteRank:
       >>> rank.close()
     """
 
-    def __init__(self, trainer, config: SiteConfig, site: int = 0):
+    def __init__(self, trainer, config: SiteConfig, site: int = 0, join: bool = False):
         if trainer.comm != "odc":
             raise ValueError(f"site {site}: cross-site training shards with ODC inside a site; got comm={trainer.comm!r}")
         self.trainer, self.config, self.site = trainer, config, int(site)
@@ -135,7 +138,10 @@ class SiteRank:
         self.diloco: DiLoCo | None = None
         self._bytes0 = 0
         try:
-            self._await_founders()
+            if join and config.mode == "hybrid":
+                raise ValueError(f"site {site}: hybrid sharding keeps its founding sites; only DiLoCo sites join")
+            if not join:  # a joining site is admitted by DiLoCo.begin_outer, as the others reach it
+                self._await_founders()
             if config.mode == "hybrid":  # membership stays the founding sites (and survivors)
                 self.state.grad_exchange = self._average_gradients
                 self._steps = 0
@@ -148,15 +154,20 @@ class SiteRank:
             raise
 
     def _await_founders(self) -> None:
-        """Joins ring r and admits newcomers until min_sites are in it; a later site is admitted
-        at an outer step instead (its ring is already past min_sites)."""
+        """Joins ring r and admits the other founders until every ring of this site holds all of
+        them. Like an outer step, a newcomer is admitted only when every ring sees it pending, and
+        the loop ends on a site-wide condition, so this site's ranks make the same calls."""
         comm, deadline = self.comm, time.monotonic() + self.config.timeout_s
         comm.update_topology(timeout_s=self.config.timeout_s)
-        while comm.world_size < self.config.min_sites:
+        while True:
+            worlds = [int(x) for x in self.trainer.ctx.allgather(
+                "jaxodc/sites/founders", str(comm.world_size).encode(), timeout_s=self.config.timeout_s)]
+            if min(worlds) >= self.config.founders:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self._who()}: {comm.world_size} of {self.config.min_sites} founding sites "
-                                   f"joined ring {self.trainer.rank} within {self.config.timeout_s:g} s")
-            if comm.are_peers_pending():
+                raise TimeoutError(f"{self._who()}: the rings of this site hold {worlds} of "
+                                   f"{self.config.founders} founding sites after {self.config.timeout_s:g} s")
+            if self._every_rank(comm.are_peers_pending()):
                 comm.update_topology()
             else:
                 time.sleep(0.05)
@@ -215,18 +226,27 @@ class SiteRank:
             events.append(f"sites {before[1]} -> {self.comm.world_size}")
         return events
 
-    def outer_step(self, samples: Sequence[np.ndarray], minibatches: Sequence[Sequence[int]]) -> OuterRecord:
+    def outer_step(self, samples: Sequence[np.ndarray], minibatches: Sequence[Sequence[int]],
+                   on_minibatch: Callable | None = None, on_exchange: Callable | None = None) -> OuterRecord:
         """Trains the inner minibatches (H for diloco; hybrid: any number, each averaged across
-        sites) and then the outer step. Every rank of every site calls it together."""
+        sites) and then the outer step. Every rank of every site calls it together.
+        `on_minibatch(record)` runs after each inner minibatch and `on_exchange()` just before the
+        outer all-reduce (progress lines, churn tests)."""
         t0 = time.perf_counter()
         sites0 = self.comm.world_size
         events = self.begin()
         count = self.outer_step_count()
         sent0 = self.comm.ep.stats()["bytes_sent"]
         tc = time.perf_counter()
-        recs = self.trainer.fit(samples, minibatches)
+        recs = []
+        for mb in minibatches:
+            recs += self.trainer.fit(samples, [mb])
+            if on_minibatch is not None:
+                on_minibatch(recs[-1])
         compute = time.perf_counter() - tc
         if self.diloco is not None:
+            if on_exchange is not None:
+                on_exchange()
             self.diloco.params = self.state.local_shards()
             self.diloco.outer_step()
             digest = self.diloco.state_hash()
@@ -242,7 +262,8 @@ class SiteRank:
                            loss=float(np.mean([r.loss for r in recs])) if recs else float("nan"),
                            tokens=int(tokens), seconds=time.perf_counter() - t0, compute_s=compute,
                            sites=self.comm.world_size, bytes_sent=int(self.comm.ep.stats()["bytes_sent"] - sent0),
-                           state_hash=int(digest), events=events)
+                           state_hash=int(digest), events=events,
+                           retries=0 if self.diloco is None else self.diloco.reducer.retries)
 
     def finish(self) -> None:
         """Async DiLoCo: applies the average still in flight and publishes θ_global to the site."""
