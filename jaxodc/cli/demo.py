@@ -57,8 +57,8 @@ def sites_train_argv(args) -> list[str]:
 
 
 def sites_demo(args) -> int:
-    """3 founding sites; a rank of site 1 killed at a fifth of the run and a site 3 started then;
-    every site's lines echoed; a summary at the end."""
+    """3 founding sites; a site 3 started after the first outer step (it joins when ready) and a
+    rank of site 1 killed at a quarter of the run; every site's lines echoed; a summary at the end."""
     from jaxodc.cli import sites
     from jaxodc.cli.train import parser, worker_argv
     os.makedirs(args.out, exist_ok=True)
@@ -69,12 +69,13 @@ def sites_demo(args) -> int:
     try:
         for s in range(3):
             job.start(s)
-        job.wait_outer(max(1, T // 5), timeout_s=600)
+        job.wait_outer(1, timeout_s=600)
+        job.start(3, join=True)  # starting up takes a while: it joins at the outer step after it is ready
+        print(f"demo: started site 3 after outer step {job.outer_done - 1}; it joins the running job when ready",
+              flush=True)
+        job.wait_outer(max(2, T // 4), timeout_s=600)
         pid = job.kill_rank(1)
         print(f"demo: killed rank 1 of site 1 (pid {pid}) after outer step {job.outer_done - 1}", flush=True)
-        job.start(3, join=True)  # a replacement, starting up while the others train without site 1
-        print(f"demo: started site 3 after outer step {job.outer_done - 1}; it joins at the next outer step",
-              flush=True)
         status = job.wait(timeout_s=900)
     finally:
         job.close()
