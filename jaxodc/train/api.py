@@ -171,7 +171,7 @@ class ShardedStep:
         if runtime is not None:
             return OdcTrainer(program, self.optimizer, params, runtime, compress=plan, precision=self.precision)
         from jaxodc.odc import Runtime
-        runtime = Runtime.create([u.padded for u in program.layout.units], ctx, **runtime_kwargs)
+        runtime = Runtime.create(program.runtime_units(), ctx, **runtime_kwargs)
         try:
             return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan,
                               precision=self.precision)

@@ -224,6 +224,12 @@ class ShardedTrainer(abc.ABC):
         """Raises ConfigMismatchError on every rank unless all ranks pass the same `config`."""
         check_same(self.allgather_bytes, config, self.rank, what)
 
+    def local_consts(self) -> tuple:
+        """The constants every rank keeps whole (with mutable state, its current values), as this
+        rank's copies (a replicated global array's local one)."""
+        return tuple(c.addressable_data(0) if isinstance(c, jax.Array) and not c.is_fully_addressable else c
+                     for c in getattr(self, "consts", ()))
+
     @abc.abstractmethod
     def local_shards(self) -> dict[str, np.ndarray]:
         """This rank's fp32 parameter shards, as host copies."""
