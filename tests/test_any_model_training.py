@@ -13,6 +13,13 @@ from harness import run_ranks
 STEPS = 3
 
 
+def optimizer():
+    # Adam divides by sqrt(v) + eps: with the default eps (1e-8) an element whose gradient is at the
+    # level of fp32 summation noise moves by up to lr whichever way the noise points, and the
+    # sharded sums add in another order than the reference's.
+    return optax.adam(1e-2, eps=1e-5)
+
+
 def llama_case():
     from jaxodc.models.llama import Llama, LlamaConfig
     from jaxodc.train.adapters import linen_loss_fn
@@ -121,7 +128,7 @@ def _reference(loss_fn, params, batch, count, comm, world, frozen=()):
     grad = jax.jit(jax.value_and_grad(loss_of, has_aux=stateful))
     floats = [jnp.asarray(leaves[i]) for i in trained]
     rest = list(leaves)
-    opt = optax.adam(1e-2)
+    opt = optimizer()
     state = opt.init(floats)
     losses = []
     for step in range(STEPS):
@@ -155,7 +162,7 @@ def train_body(ctx, case, comm):
         init_jax_distributed(ctx)
     import jaxodc
     loss_fn, params, batch, count, policy = CASES[case]()
-    step_fn = jaxodc.sharded_step(loss_fn, optax.adam(1e-2), comm=comm, unit_policy=policy)
+    step_fn = jaxodc.sharded_step(loss_fn, optimizer(), comm=comm, unit_policy=policy)
     tr = step_fn.init(params, ctx=ctx, example_batch=batch(0, 0, 0))
     losses = []
     n = counts(ctx.world, comm)
@@ -170,13 +177,14 @@ def train_body(ctx, case, comm):
     return losses, jax.tree_util.tree_map(host, full), units
 
 
-# Every model at 2 ranks on both trainers; at 1 and 3 ranks each once (the CNN on both), to keep
-# the added time small. The plain loss has a scalar batch leaf, which the collective's
+# Every model at 2 ranks on both trainers, at 1 and 3 ranks on one of them (marked slow: CI runs
+# them) and the CNN on both at 1, 2 and 3. The plain loss has a scalar batch leaf, which the collective's
 # batch-sharded shard_map cannot take.
 RUNS = [("llama", "odc", 2), ("nnx", "odc", 2), ("plain", "odc", 2), ("llama", "collective", 2),
-        ("nnx", "collective", 2),
-        ("llama", "odc", 3), ("nnx", "collective", 3), ("plain", "odc", 3),
-        ("llama", "collective", 1), ("nnx", "odc", 1), ("plain", "odc", 1)]
+        ("nnx", "collective", 2)]
+RUNS += [pytest.param(*run, marks=pytest.mark.slow) for run in [
+    ("llama", "odc", 3), ("nnx", "collective", 3), ("plain", "odc", 3),
+    ("llama", "collective", 1), ("nnx", "odc", 1), ("plain", "odc", 1)]]
 RUNS += [("cnn", comm, world) for world in (1, 2, 3) for comm in ("odc", "collective")]
 
 
