@@ -166,14 +166,31 @@ def train_body(ctx, case, comm):
     tr = step_fn.init(params, ctx=ctx, example_batch=batch(0, 0, 0))
     losses = []
     n = counts(ctx.world, comm)
-    for step in range(STEPS):
+
+    def train(step):
         total = sum(count(batch(step, r, j)) for r in range(ctx.world) for j in range(n[r]))
-        res = tr.train_minibatch([batch(step, ctx.rank, j) for j in range(n[ctx.rank])], total)
-        losses.append(res.loss)
+        return tr.train_minibatch([batch(step, ctx.rank, j) for j in range(n[ctx.rank])], total).loss
+
+    for step in range(STEPS):
+        losses.append(train(step))
     from jaxodc.train.export import full_params
     full = full_params(tr)  # with the trainer's current constants (the BatchNorm statistics)
     units = tr.layout.names
+    if tr.program.state is not None:  # the state is checkpointed: a restored step repeats bit-exactly
+        import os
+        import tempfile
+        path = os.path.join(tempfile.gettempdir(), f"jaxodc_state_ckpt_{ctx.job_id}")
+        tr.save(path)
+        once = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        tr.restore(path)
+        assert all(np.array_equal(a, b) for a, b in zip(tr.local_consts(), jax.tree_util.tree_leaves(
+            full["batch_stats"])))
+        again = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        assert once[0] == again[0] and all(np.array_equal(a, b) for a, b in zip(once[1], again[1]))
     tr.close()
+    if tr.program.state is not None and ctx.rank == 0:
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
     return losses, jax.tree_util.tree_map(host, full), units
 
 

@@ -391,6 +391,8 @@ class CollectiveTrainer(ShardedTrainer):
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl))(self._replicated(jax.random.key_data(x)))
         return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()), np.asarray(x))
 
+    _const = _replicated
+
     def _zeros(self) -> dict:
         return {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
 
