@@ -106,7 +106,8 @@ class OdcTrainer(ShardedTrainer):
 
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
-        the microbatch's summed loss (then `example_batch` is needed), or a `program.Program`.
+        the microbatch's summed loss or (that, new state) (then `example_batch` is needed), or a
+        `program.Program`. With mutable state the runtime needs `Program.runtime_units()`.
       optimizer: any Optax transformation; it runs on the local shards.
       params: the full initial parameters, the same on every rank.
       runtime: the ODC runtime (`jaxodc.odc.Runtime` across processes).
