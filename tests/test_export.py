@@ -255,7 +255,6 @@ def test_cli_trains_the_batchnorm_cnn_and_nnx_on_digits(tmp_path):
         for r in recs:
             per_step.setdefault(r["step"], set()).add(r["loss"])
         assert sorted(per_step) == [0, 1, 2] and all(len(v) == 1 and np.isfinite(min(v)) for v in per_step.values())
-    import jax
     from jaxodc.data import decode_images, load_digits
     from jaxodc.balance.packing import pack
     from jaxodc.models.cnn import CNN
