@@ -109,7 +109,6 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
     """
     from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
     from jaxodc.train.gather_on_use import microbatch_grad_any, plan_for
-
     from jaxodc.train.state import ModelState, default_count, freeze_patterns, model_state
 
     paths = model_state(loss_fn, params, example_batch)
@@ -137,10 +136,10 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
             return (l, state.weighted(new, batch)), grads
         return with_state
 
-    return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank),
-                   lambda shards, consts_now=None: unshard_tree(plan, shards, list(consts if consts_now is None
-                                                                                   else consts_now)),
-                   "traced", state)
+    def unshard(shards, current=None):
+        return unshard_tree(plan, shards, list(consts if current is None else current))
+
+    return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state)
 
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
