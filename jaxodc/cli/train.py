@@ -41,7 +41,7 @@ TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
 
 
 def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a small LM with the sharded trainer.")
+    p = argparse.ArgumentParser(prog=prog, description="Train a small model with the sharded trainer.")
     a = p.add_argument
     a("--model", default="lm", choices=MODELS, help="lm: the unit-staged LM (models/lm.py); llama: the linen "
                                                     "Llama (models/llama.py) through linen_loss_fn; cnn: the linen "
