@@ -179,3 +179,43 @@ def minibatches(n_samples: int, global_batch: int, seed: int = 0, epochs: int | 
         for i in range(0, n_samples - global_batch + 1, global_batch):
             yield perm[i:i + global_batch]
         ep += 1
+
+
+# --------------------------------------------------------------------------- images
+
+# An image travels through the token trainers (balancing, packing, Trainer, `jaxodc train`) as a
+# fixed-length sample: its pixel intensities, then its label. Every image then has IMAGE_TOKENS - 1
+# loss tokens, so the minibatch's global token count is that times its image count and a loss
+# returning the sum over loss tokens of each image's loss (`decode_images`' weight) is normalised
+# to the mean over images. Microbatch rows of a multiple of IMAGE_TOKENS tokens hold whole images.
+DIGITS_SHAPE = (8, 8, 1)
+IMAGE_TOKENS = 8 * 8 + 1
+
+
+def load_digits() -> Samples:
+    """scikit-learn's 8x8 handwritten digits (1797 images, intensities 0..16, shipped inside the
+    scikit-learn package: no download), each as IMAGE_TOKENS tokens (pixels, then the label)."""
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError as e:
+        raise ImportError("the digits data set ships with scikit-learn: pip install scikit-learn") from e
+    d = sk_digits()
+    rows = np.concatenate([d.data.astype(np.int32), d.target.astype(np.int32)[:, None]], axis=1)
+    return Samples(list(rows))
+
+
+def decode_images(batch, shape: Sequence[int] = DIGITS_SHAPE, scale: float = 16.0):
+    """A packed microbatch of image samples ({"tokens", "loss_mask", ...: [1, T]}, T a multiple of
+    prod(shape) + 1) as ({"x": [T // (prod + 1), *shape] float in [0, 1], "y": [n] int, "mask": [n]},
+    weight [n]): weight is each image's loss-token count (0 for an empty slot), the factor of its
+    loss in the microbatch's summed loss. Traceable (jax.numpy)."""
+    import jax.numpy as jnp
+    per = int(np.prod(shape)) + 1
+    T = batch["tokens"].shape[-1]
+    if T % per:
+        raise ValueError(f"a row of {T} tokens does not hold whole images of {per} tokens (pixels + label); "
+                         f"use max_tokens a multiple of {per} and no buckets")
+    rows = jnp.reshape(batch["tokens"], (-1, per))
+    weight = jnp.sum(jnp.reshape(batch["loss_mask"], (-1, per)), axis=1)
+    x = jnp.reshape(rows[:, :-1].astype(jnp.float32) / scale, (-1, *shape))
+    return {"x": x, "y": rows[:, -1], "mask": (weight > 0).astype(jnp.float32)}, weight

@@ -1,7 +1,7 @@
 """Models that were not written for jaxodc, trained by the sharded trainers across processes: a
-linen Llama (nn.scan stack, tied head), an nnx classifier and a plain-JAX loss (lax.scan,
-lax.cond, custom_vjp, a frozen subtree, an int leaf), against single-process jax.value_and_grad
-training on the same data."""
+linen Llama (nn.scan stack, tied head), an nnx classifier, a plain-JAX loss (lax.scan, lax.cond,
+custom_vjp, a frozen subtree, an int leaf) and a linen CNN with BatchNorm (mutable batch_stats),
+against single-process jax.value_and_grad training on the same data, at 1, 2 and 3 ranks."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +11,13 @@ import pytest
 from harness import run_ranks
 
 STEPS = 3
+
+
+def optimizer():
+    # Adam divides by sqrt(v) + eps: with the default eps (1e-8) an element whose gradient is at the
+    # level of fp32 summation noise moves by up to lr whichever way the noise points, and the
+    # sharded sums add in another order than the reference's.
+    return optax.adam(1e-2, eps=1e-5)
 
 
 def llama_case():
@@ -54,7 +61,32 @@ def plain_case():
     return plain_loss, jax.tree_util.tree_map(np.asarray, p), batch, lambda b: 6.0, {"frozen": ("frozen/*",)}
 
 
-CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case}
+def cnn_case():
+    from jaxodc.models.cnn import CNN
+    from jaxodc.train.adapters import linen_loss_fn
+    model = CNN(features=(4, 8))
+    loss_fn = linen_loss_fn(model, lambda apply, b: jnp.sum(apply(b)), mutable=("batch_stats",))
+    x = np.asarray(load_digits_cached()[0], np.float32).reshape(-1, 8, 8, 1) / 16.0
+    y = np.asarray(load_digits_cached()[1], np.int32)
+
+    def batch(step, rank, j):
+        # 2..4 images (the statistics' weights differ per microbatch); one slot of padding
+        rs = np.random.RandomState([step, rank, j, 3])
+        n = 2 + (step + rank + j) % 3
+        idx = rs.randint(0, len(y), 5)
+        mask = (np.arange(5) < n).astype(np.float32)
+        return {"x": x[idx] * mask[:, None, None, None], "y": y[idx], "mask": mask}
+    params = jax.jit(model.init)(jax.random.key(0), batch(0, 0, 0))
+    return loss_fn, params, batch, lambda b: float(b["mask"].sum()), {}
+
+
+def load_digits_cached():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return d.data[:200], d.target[:200]
+
+
+CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case, "cnn": cnn_case}
 
 
 def host(x):
@@ -65,44 +97,63 @@ def host(x):
 
 
 def counts(world, comm):
-    """Microbatches per rank: uneven under ODC (rank 0 runs one more), equal under collective."""
+    """Microbatches per rank: uneven under ODC (rank 0 runs one more; of 3 ranks the last runs
+    none), equal under collective."""
+    if comm == "odc" and world == 3:
+        return [3, 2, 0]
     return [2 + (comm == "odc" and r == 0) for r in range(world)]
 
 
-def reference(case):
+def reference(case, comm, world):
     """Single-process training on the union of every rank's microbatches."""
-    loss_fn, params, batch, count, _ = CASES[case]()
-    return {comm: _reference(loss_fn, params, batch, count, comm) for comm in ("odc", "collective")}
+    loss_fn, params, batch, count, policy = CASES[case]()
+    return _reference(loss_fn, params, batch, count, comm, world, policy.get("frozen", ()))
 
 
-def _reference(loss_fn, params, batch, count, comm, world=2):
-    """Adam on the float leaves; keys, ints and the like stay as they are."""
+def _reference(loss_fn, params, batch, count, comm, world, frozen=()):
+    """Adam on the float leaves (not those under a `frozen` prefix); keys, ints and the like stay
+    as they are. A loss returning (loss, {collection: state}) (BatchNorm): every microbatch starts
+    from the minibatch's state, whose new value is the count-weighted mean of theirs."""
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     leaves, tree = jax.tree_util.tree_flatten(params)
-    trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+    stateful = isinstance(jax.eval_shape(loss_fn, params, batch(0, 0, 0)), tuple)
+    kept = tuple(f.rstrip("*") for f in frozen) + (("batch_stats/",) if stateful else ())
+    trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)
+               and not paths[i].startswith(kept)]
 
-    def loss_of(floats, b):
-        full = list(leaves)
+    def loss_of(floats, rest, b):
+        full = list(rest)
         for i, x in zip(trained, floats):
             full[i] = x
         return loss_fn(jax.tree_util.tree_unflatten(tree, full), b)
 
-    grad = jax.jit(jax.value_and_grad(loss_of))
+    grad = jax.jit(jax.value_and_grad(loss_of, has_aux=stateful))
     floats = [jnp.asarray(leaves[i]) for i in trained]
-    opt = optax.adam(1e-2)
+    rest = list(leaves)
+    opt = optimizer()
     state = opt.init(floats)
     losses = []
     for step in range(STEPS):
         mbs = [batch(step, r, j) for r in range(world) for j in range(counts(world, comm)[r])]
         total = sum(count(b) for b in mbs)
-        loss, g = 0.0, [jnp.zeros_like(x) for x in floats]
+        loss, g, new = 0.0, [jnp.zeros_like(x) for x in floats], None
         for b in mbs:
-            l, gi = grad(floats, b)
+            l, gi = grad(floats, rest, b)
+            if stateful:
+                l, st = l
+                w = jax.tree_util.tree_map(lambda x: count(b) * np.asarray(x, np.float64), st)
+                new = w if new is None else jax.tree_util.tree_map(np.add, new, w)
             loss += float(l) / total
             g = [a + c / total for a, c in zip(g, gi)]
         upd, state = opt.update(g, state, floats)
         floats = optax.apply_updates(floats, upd)
         losses.append(loss)
-    full = list(leaves)
+        if stateful:  # write the mean state back into its leaves
+            full = jax.tree_util.tree_unflatten(tree, rest)
+            full = {**full, **jax.tree_util.tree_map(lambda x: np.float32(x / total), new)}
+            rest = jax.tree_util.tree_leaves(full)
+    full = list(rest)
     for i, x in zip(trained, floats):
         full[i] = x
     return losses, jax.tree_util.tree_unflatten(tree, full)
@@ -114,30 +165,56 @@ def train_body(ctx, case, comm):
         init_jax_distributed(ctx)
     import jaxodc
     loss_fn, params, batch, count, policy = CASES[case]()
-    step_fn = jaxodc.sharded_step(loss_fn, optax.adam(1e-2), comm=comm, unit_policy=policy)
+    step_fn = jaxodc.sharded_step(loss_fn, optimizer(), comm=comm, unit_policy=policy)
     tr = step_fn.init(params, ctx=ctx, example_batch=batch(0, 0, 0))
     losses = []
     n = counts(ctx.world, comm)
-    for step in range(STEPS):
+
+    def train(step):
         total = sum(count(batch(step, r, j)) for r in range(ctx.world) for j in range(n[r]))
-        res = tr.train_minibatch([batch(step, ctx.rank, j) for j in range(n[ctx.rank])], total)
-        losses.append(res.loss)
-    shards = tr.local_shards()
-    got = [{k: np.asarray(v) for k, v in d.items()} for d in tr.allgather_obj(
-        {k: v.tobytes() for k, v in shards.items()})]
-    full = tr.program.unshard([{k: np.frombuffer(v, np.float32) for k, v in d.items()} for d in got])
+        return tr.train_minibatch([batch(step, ctx.rank, j) for j in range(n[ctx.rank])], total).loss
+
+    for step in range(STEPS):
+        losses.append(train(step))
+    from jaxodc.train.export import full_params
+    full = full_params(tr)  # with the trainer's current constants (the BatchNorm statistics)
     units = tr.layout.names
+    if tr.program.state is not None:  # the state is checkpointed: a restored step repeats bit-exactly
+        import os
+        import tempfile
+        path = os.path.join(tempfile.gettempdir(), f"jaxodc_state_ckpt_{ctx.job_id}")
+        tr.save(path)
+        once = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        tr.restore(path)
+        assert all(np.array_equal(a, b) for a, b in zip(tr.local_consts(), jax.tree_util.tree_leaves(
+            full["batch_stats"])))
+        again = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        assert once[0] == again[0] and all(np.array_equal(a, b) for a, b in zip(once[1], again[1]))
     tr.close()
+    if tr.program.state is not None and ctx.rank == 0:
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
     return losses, jax.tree_util.tree_map(host, full), units
 
 
-@pytest.mark.parametrize("case,comm", [("llama", "odc"), ("nnx", "odc"), ("plain", "odc"),
-                                       ("llama", "collective"), ("nnx", "collective")])
-def test_sharded_training_equals_single_process(case, comm):
-    results = run_ranks(train_body, 2, args=(case, comm), timeout_s=240)
-    ref_losses, ref_params = reference(case)[comm]
+# Every model at 2 ranks on both trainers, at 1 and 3 ranks on one of them (marked slow: CI runs
+# them) and the CNN on both at 1, 2 and 3. The plain loss has a scalar batch leaf, which the collective's
+# batch-sharded shard_map cannot take.
+RUNS = [("llama", "odc", 2), ("nnx", "odc", 2), ("plain", "odc", 2), ("llama", "collective", 2),
+        ("nnx", "collective", 2)]
+RUNS += [pytest.param(*run, marks=pytest.mark.slow) for run in [
+    ("llama", "odc", 3), ("nnx", "collective", 3), ("plain", "odc", 3),
+    ("llama", "collective", 1), ("nnx", "odc", 1), ("plain", "odc", 1)]]
+RUNS += [("cnn", comm, world) for world in (1, 2, 3) for comm in ("odc", "collective")]
+
+
+@pytest.mark.parametrize("case,comm,world", RUNS)
+def test_sharded_training_equals_single_process(case, comm, world):
+    results = run_ranks(train_body, world, args=(case, comm), timeout_s=240)
+    ref_losses, ref_params = reference(case, comm, world)
     for losses, full, units in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+        assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(ref_params)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(full), jax.tree_util.tree_leaves(ref_params)):
             np.testing.assert_allclose(a, host(b), rtol=1e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
     assert len(results[0][2]) > 2  # the discovered units

@@ -230,3 +230,39 @@ def test_cli_trains_llama_and_exports(tmp_path):
     batch = pack([np.arange(1, 20, dtype=np.int32)], 32).as_dict()
     per_token = np.asarray(Llama(cfg).apply(restore(path), batch))
     assert per_token.shape == (1, 32) and np.all(np.isfinite(per_token)) and per_token.sum() > 0
+
+
+def test_cli_refuses_bad_image_model_options(capsys):
+    from test_train_cli import _main
+    code, err = _main(["--model", "cnn", "--max-tokens", "100"], capsys)
+    assert code == 2 and "--model cnn: --max-tokens 100 must be a multiple of 65" in err, err
+    code, err = _main(["--model", "nnx", "--min-bucket", "65"], capsys)
+    assert code == 2 and "--model nnx trains on the digits, whole images per row" in err, err
+
+
+@pytest.mark.slow
+def test_cli_trains_the_batchnorm_cnn_and_nnx_on_digits(tmp_path):
+    """`jaxodc train --model cnn / nnx` on both comms (images per microbatch from --max-tokens);
+    the CNN's export holds updated BatchNorm statistics Flax evaluates with. (BatchNorm's
+    training loss depends on how the balancer groups images into microbatches, so the two runs'
+    losses are not compared.)"""
+    from test_train_cli import _train
+    path, js = tmp_path / "cnn.msgpack", tmp_path / "runs.json"
+    _train(["--model", "cnn", "--ranks", "2", "--steps", "3", "--minibatch", "6", "--max-tokens", "260",
+            "--comm", "odc,collective", "--warmup", "0", "--json", str(js), "--export", str(path)])
+    for name, recs in json.load(open(js)).items():
+        per_step = {}
+        for r in recs:
+            per_step.setdefault(r["step"], set()).add(r["loss"])
+        assert sorted(per_step) == [0, 1, 2] and all(len(v) == 1 and np.isfinite(min(v)) for v in per_step.values())
+    from jaxodc.data import decode_images, load_digits
+    from jaxodc.balance.packing import pack
+    from jaxodc.models.cnn import CNN
+    variables = restore(str(path).replace(".msgpack", ".odc-lb_mini.msgpack"))
+    assert not np.allclose(variables["batch_stats"]["BatchNorm_0"]["var"], 1.0)  # trained statistics
+    images, _ = decode_images(pack(load_digits().tokens[:4], 4 * 65).as_dict())
+    ce = np.asarray(CNN().apply(variables, images, train=False))
+    assert ce.shape == (4,) and np.all(np.isfinite(ce))
+    _train(["--model", "nnx", "--ranks", "2", "--steps", "2", "--minibatch", "2", "--max-tokens", "130",
+            "--d-model", "16", "--layers", "1", "--comm", "odc", "--warmup", "0", "--json", str(js)])
+    assert all(np.isfinite(r["loss"]) for r in json.load(open(js))["odc + lb_mini"])

@@ -1,12 +1,17 @@
-"""`jaxodc train`: train a small decoder LM with the sharded trainer on local ranks, and print
-loss, throughput and bubble rate per run. --model lm (default) is the unit-staged LM of
-models/lm.py; --model llama the linen Llama of models/llama.py, trained unchanged through
-linen_loss_fn (units discovered, each gathered where it is used).
+"""`jaxodc train`: train a small model with the sharded trainer on local ranks, and print loss,
+throughput and bubble rate per run. --model lm (default) is the unit-staged LM of models/lm.py;
+--model llama the linen Llama of models/llama.py, trained unchanged through linen_loss_fn (units
+discovered, each gathered where it is used). --model cnn (the linen BatchNorm CNN of
+models/cnn.py) and --model nnx (the nnx classifier of models/nnx_mlp.py) train on scikit-learn's
+8x8 digits, each image a fixed-length sample of 65 tokens (pixels, then the label:
+jaxodc.data.decode_images), so balancing, packing and the trainers are the token path's; a
+microbatch holds --max-tokens / 65 images (default 16) and the loss is the mean over images.
 
     jaxodc train --ranks 2 --comm odc --balance lb_mini --steps 20 --minibatch 4 --max-tokens 256
     jaxodc train --comm collective,odc --balance lb_micro,lb_mini --timeline out.png   # compare
     jaxodc train --checkpoint ckpt --save-every 5 ... ; jaxodc train --checkpoint ckpt --resume ...
     jaxodc train --model llama --export llama.msgpack   # full params, loaded by flax.serialization
+    jaxodc train --model cnn --comm odc,collective      # BatchNorm CNN on the digits
 
 Without `jaxodc launch` around it, the command starts --ranks local rank processes itself (one
 compute thread each) and reports when they finish; started by `jaxodc launch -n N -m
@@ -26,7 +31,9 @@ import os
 import sys
 import tempfile
 
-MODELS = ("lm", "llama")
+MODELS = ("lm", "llama", "cnn", "nnx")
+IMAGE_MODELS = ("cnn", "nnx")  # trained on the digits (jaxodc.data.load_digits)
+DEFAULT_MAX_TOKENS = 256  # image models: 16 images of jaxodc.data.IMAGE_TOKENS
 BALANCE_NAMES = {"lb_mini": "LB-Mini", "lb_micro": "LB-Micro", "lb_steal": "LB-Steal", "local_sort": "LocalSort"}
 COLLECTIVE_NOTE = ("(collective microbatch intervals include time blocked inside all_gather / psum_scatter, so its\n"
                    " measured bubble is a lower bound; ODC ranks block only on owners' publications)")
@@ -34,10 +41,12 @@ TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
 
 
 def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a small LM with the sharded trainer.")
+    p = argparse.ArgumentParser(prog=prog, description="Train a small model with the sharded trainer.")
     a = p.add_argument
     a("--model", default="lm", choices=MODELS, help="lm: the unit-staged LM (models/lm.py); llama: the linen "
-                                                    "Llama (models/llama.py) through linen_loss_fn")
+                                                    "Llama (models/llama.py) through linen_loss_fn; cnn: the linen "
+                                                    "BatchNorm CNN (models/cnn.py) and nnx: the nnx classifier "
+                                                    "(models/nnx_mlp.py), both on sklearn's 8x8 digits")
     a("--ranks", type=int, default=2, help="local ranks to start (ignored under jaxodc launch)")
     a("--comm", default="odc", help="odc, collective, or a comma list to compare runs")
     a("--balance", default=None, help="local_sort, lb_micro, lb_mini or lb_steal (comma list per run); "
@@ -45,7 +54,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--steps", type=int, default=10, help="minibatches in total (a resumed run continues up to it)")
     a("--warmup", type=int, default=1, help="minibatches of this invocation left out of throughput")
     a("--minibatch", type=int, default=4, help="samples per rank per minibatch")
-    a("--max-tokens", type=int, default=256, help="tokens per packed microbatch (the memory bound)")
+    a("--max-tokens", type=int, default=None, help="tokens per packed microbatch (the memory bound; default "
+                                                   "256, or 16 images of 65 tokens for cnn / nnx)")
     a("--min-bucket", type=int, default=0, help="bucketed microbatch row lengths from this size (0: off)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="sample-length preset: longalign (default), swe, aime")
@@ -114,6 +124,17 @@ def pretty(name: str) -> str:
 
 
 def check_args(args) -> None:
+    from jaxodc.data import IMAGE_TOKENS
+    images = args.model in IMAGE_MODELS
+    if args.max_tokens is None:
+        args.max_tokens = 16 * IMAGE_TOKENS if images else DEFAULT_MAX_TOKENS
+    if images:
+        if args.max_tokens % IMAGE_TOKENS:
+            raise ValueError(f"--model {args.model}: --max-tokens {args.max_tokens} must be a multiple of "
+                             f"{IMAGE_TOKENS} (an image is {IMAGE_TOKENS} tokens: 64 pixels, then the label)")
+        if args.min_bucket or args.preset or args.lengths or args.data:
+            raise ValueError(f"--model {args.model} trains on the digits, whole images per row: "
+                             "--min-bucket, --preset, --lengths and --data do not apply")
     for k in ("ranks", "steps", "minibatch", "max_tokens"):
         if getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
@@ -150,8 +171,10 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 def load_samples(args, world: int):
     """The run's samples (data.Samples); raises ValueError for unusable input."""
-    from jaxodc.data import Samples, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
-    if args.data:
+    from jaxodc.data import Samples, load_digits, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
+    if args.model in IMAGE_MODELS:
+        samples = load_digits()
+    elif args.data:
         samples = Samples(load_jsonl(args.data, max_len=args.max_tokens))
     elif args.lengths:
         lengths = load_lengths(args.lengths)
@@ -188,8 +211,10 @@ def export_path(args, run: tuple[str, str], n_runs: int) -> str | None:
 def model_of(args):
     """(model or loss_fn, initial params) for --model: the staged LM, or the linen Llama whose loss
     is the sum of its per-token losses on a packed microbatch (the trainer divides by the
-    minibatch's token count)."""
+    minibatch's token count), or an image model (image_model_of)."""
     import jax
+    if args.model in IMAGE_MODELS:
+        return image_model_of(args)
     if args.model == "lm":
         from jaxodc.models.lm import LM, LMConfig
         model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
@@ -202,6 +227,40 @@ def model_of(args):
     llama = Llama(cfg)
     params = jax.jit(llama.init)(jax.random.PRNGKey(args.seed), pack([], args.max_tokens).as_dict())
     return linen_loss_fn(llama, lambda apply, batch: apply(batch).sum()), params
+
+
+def image_model_of(args):
+    """(loss_fn, initial params) of --model cnn / nnx on packed digits: each image's cross entropy
+    counted once per loss token (decode_images' weight), so the trainer's division by the
+    minibatch's token count gives the mean over images. The CNN's BatchNorm statistics are its
+    mutable state (the image-weighted mean over the minibatch's microbatches)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxodc.balance.packing import pack
+    from jaxodc.data import decode_images
+    example = pack([], args.max_tokens).as_dict()
+    if args.model == "cnn":
+        from jaxodc.models.cnn import CNN
+        from jaxodc.train.adapters import linen_loss_fn
+        cnn = CNN()
+        params = jax.jit(cnn.init)(jax.random.PRNGKey(args.seed), decode_images(example)[0])
+
+        def loss(apply, batch):
+            images, weight = decode_images(batch)
+            return jnp.sum(apply(images) * weight)
+        return linen_loss_fn(cnn, loss, mutable=("batch_stats",)), params
+    from flax import nnx
+
+    from jaxodc.models.nnx_mlp import Classifier
+    from jaxodc.train.adapters import nnx_loss_fn
+
+    def nnx_loss(model, batch):
+        images, weight = decode_images(batch)
+        flat = {**images, "x": jnp.reshape(images["x"], (images["x"].shape[0], -1))}
+        return jnp.sum(model(flat) * weight)
+    return nnx_loss_fn(Classifier(d_in=64, width=args.d_model, n_blocks=args.layers, n_classes=10,
+                                  rngs=nnx.Rngs(args.seed)), nnx_loss)
 
 
 # --------------------------------------------------------------------------- rank side

@@ -5,8 +5,9 @@ counters) is planned as a constant: kept whole on every rank, no gradient.
 
 Dropout and other randomness: the batch carries one key under "rng" (the trainer should fold in the
 rank and microbatch), split over the named streams. Mutable state (BatchNorm in training): the loss
-returns it, and the caller writes it back into the constants (each rank's statistics are its own:
-`axis_name` cannot span processes).
+returns (output, new state) with the state keyed like the tree ({"batch_stats": ...} / {"state":
+...}); the sharded trainers write the count-weighted mean over the minibatch's microbatches back
+(train.state; `axis_name` cannot span processes, so statistics are per microbatch).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def linen_loss_fn(module, loss: Callable[[Callable, Any], Any], *, rngs: Sequenc
 
 
 def nnx_loss_fn(model, loss: Callable[[Any, Any], Any], *, rngs: Sequence[str] = (),
-                mutable: bool = False) -> tuple[Callable, dict]:
+                mutable: Any = False) -> tuple[Callable, dict]:
     """An nnx model's loss as loss_fn(tree, batch), the model unchanged.
 
     Args:
@@ -84,7 +85,9 @@ def nnx_loss_fn(model, loss: Callable[[Any, Any], Any], *, rngs: Sequence[str] =
       loss: loss(model, batch) -> loss or any pytree; `model` is a fresh merge of the tree.
       rngs: nnx.Rngs streams to reseed from batch["rng"] on every call (e.g. ("dropout",));
         without it a functional call would draw the same dropout mask every step.
-      mutable: return (loss's output, new non-parameter state) (BatchNorm statistics, rng counters).
+      mutable: return (loss's output, {"state": new values}): True for every non-parameter
+        variable (BatchNorm statistics, rng counters), or an nnx filter of the ones to return
+        (nnx.BatchStat: the statistics only, what the sharded trainers average).
 
     Returns:
       (loss_fn, tree) with tree = {"params": nnx.Param values, "state": every other variable} as
@@ -104,8 +107,10 @@ def nnx_loss_fn(model, loss: Callable[[Any, Any], Any], *, rngs: Sequence[str] =
         if keys:
             nnx.reseed(m, **keys)
         out = loss(m, batch)
-        if mutable:
-            return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2])
+        if mutable is True:
+            return out, {"state": nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2])}
+        if mutable is not False:
+            return out, {"state": nnx.to_pure_dict(nnx.state(m, mutable))}
         return out
 
     return loss_fn, tree

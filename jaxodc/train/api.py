@@ -171,7 +171,7 @@ class ShardedStep:
         if runtime is not None:
             return OdcTrainer(program, self.optimizer, params, runtime, compress=plan, precision=self.precision)
         from jaxodc.odc import Runtime
-        runtime = Runtime.create([u.padded for u in program.layout.units], ctx, **runtime_kwargs)
+        runtime = Runtime.create(program.runtime_units(), ctx, **runtime_kwargs)
         try:
             return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan,
                               precision=self.precision)
@@ -190,14 +190,17 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
         `fn(name, params, carry, batch) -> carry` (with `units`); or any
         `loss_fn(params, batch)` returning the microbatch's SUMMED loss, over any parameter pytree
         (`jaxodc.train.adapters` makes one of a flax linen / nnx module): its units are discovered
-        and each gathered where it is first used (`init` then needs `example_batch=`). Omitted,
-        `sharded_step` is a decorator.
+        and each gathered where it is first used (`init` then needs `example_batch=`). It may
+        return (that, new state) for BatchNorm-like state (`jaxodc.train.state`: the minibatch's
+        new state is the count-weighted mean of its microbatches'). Omitted, `sharded_step` is a
+        decorator.
       optimizer: any Optax transformation (clip with `jaxodc.clip_by_global_norm`).
       units: the unit names in run order (a per-unit function needs them).
       comm: "odc" or "collective".
       compress: TAGC gradient compression (`jaxodc.compress.Compression`), None for none.
       unit_policy: for a loss function, `train.discover.discover_units`' options (units=,
-        stacked=, frozen=, max_unit_bytes=).
+        stacked=, frozen=, max_unit_bytes=), and with mutable state count_fn= (batch -> the
+        microbatch's count; default the sum of batch["loss_mask"] or batch["mask"]).
       precision: "fp32" or "bf16": FSDP2's mixed precision -- fp32 master shards and optimizer,
         units gathered and computed in bf16, gradients sent in bf16 and summed in fp32.
 
@@ -230,8 +233,10 @@ class Trainer:
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`, `init`), or a
         `loss_fn(params, batch)` over packed token microbatches (tokens, targets, segment_ids,
-        positions, loss_mask; [1, max_tokens]) returning their summed loss -- e.g. a flax module
-        through `jaxodc.train.adapters.linen_loss_fn` -- with `params=`.
+        positions, loss_mask; [1, max_tokens]) returning their summed loss (or (that, new
+        state): BatchNorm) -- e.g. a flax module through `jaxodc.train.adapters.linen_loss_fn` --
+        with `params=`. Fixed-size samples (images) ride as fixed-length token samples
+        (`jaxodc.data.load_digits` / `decode_images`).
       optimizer: any Optax transformation; it runs on the local shards.
       comm: "odc" or "collective".
       balance: a balancer of jaxodc.balance.plan (default lb_mini for odc, lb_micro for

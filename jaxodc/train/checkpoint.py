@@ -13,6 +13,7 @@ manifest.json::
      "units": [{"name", "numel", "padded", "shard"}, ...],              # layout order
      "opt_state": {"treedef": "<str of the local state's jax treedef>",
                    "leaves": [[shape, dtype], ...]},                     # this rank's local leaves
+     "model_state": [[path, shape, dtype], ...],   # mutable model state (train/state.py); absent without
      "files": [{"rank": r, "file": "rank<r>-<tag>.msgpack", "bytes": n, "crc32": c}, ...]}
 
 rank<r>-<tag>.msgpack, a msgpack map::
@@ -20,7 +21,9 @@ rank<r>-<tag>.msgpack, a msgpack map::
     {"format": "jaxodc.checkpoint.rank", "version": 1, "tag", "rank", "world", "step",
      "shards": {unit name: fp32 little-endian bytes of the rank's shard (UnitSpec.shard elements)},
      "opt_state": [bytes of each local optimizer-state leaf, jax tree order, dtype/shape as in
-                   the manifest]}
+                   the manifest],
+     "model_state": [bytes of each mutable-state leaf (BatchNorm statistics: the same on every
+                     rank), as in the manifest]}                         # absent without
 
 The optimizer state is stored as each rank sees it locally (shard-shaped moments, replicated
 scalars such as adam's count), which is the same for both comm modes, so a checkpoint of one mode
@@ -89,6 +92,17 @@ def _opt_description(opt_state) -> dict:
             "leaves": [[list(np.shape(x)), np.dtype(np.asarray(x).dtype).str] for x in leaves]}
 
 
+def _model_state(trainer) -> tuple[list, list[np.ndarray]]:
+    """The manifest's description and the host values of the trainer's mutable model state
+    (train/state.py), or ([], [])."""
+    state = getattr(getattr(trainer, "program", None), "state", None)
+    if state is None:
+        return [], []
+    consts = trainer.local_consts()
+    values = [np.asarray(consts[i]) for i in state.consts]
+    return [[p, list(x.shape), x.dtype.str] for p, x in zip(state.paths, values)], values
+
+
 def _units(layout) -> list[dict]:
     return [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard} for u in layout.units]
 
@@ -121,6 +135,7 @@ def save(trainer, path: str) -> str:
     shards = trainer.local_shards()
     opt_state = trainer.local_opt_state()
     opt_leaves = jax.tree_util.tree_leaves(opt_state)
+    state_desc, state_values = _model_state(trainer)
     # One tag for all ranks: rank 0's random id (and every rank must be at the same step).
     got = trainer.allgather_obj([step, secrets.randbits(30)])
     steps = [g[0] for g in got]
@@ -132,6 +147,7 @@ def save(trainer, path: str) -> str:
         "format": FORMAT + ".rank", "version": VERSION, "tag": tag, "rank": rank, "world": world, "step": step,
         "shards": {n: np.ascontiguousarray(shards[n], "<f4").tobytes() for n in trainer.layout.names},
         "opt_state": [np.ascontiguousarray(x).tobytes() for x in opt_leaves],
+        **({"model_state": [np.ascontiguousarray(x).tobytes() for x in state_values]} if state_desc else {}),
     })
     fname = _rank_file(rank, tag)
     err = None
@@ -145,6 +161,7 @@ def save(trainer, path: str) -> str:
         "format": FORMAT, "version": VERSION, "tag": tag, "step": step, "world": world,
         "comm": getattr(trainer, "comm", ""), "layout_fingerprint": trainer.layout.fingerprint(),
         "units": _units(trainer.layout), "opt_state": _opt_description(opt_state),
+        **({"model_state": state_desc} if state_desc else {}),
         "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": meta[r][0], "crc32": meta[r][1]}
                   for r in range(world)],
     }
@@ -231,6 +248,10 @@ def _load_rank(trainer, path: str):
     diff = _opt_difference(m.get("opt_state", {}), mine)
     if diff is not None:
         raise CheckpointError(f"{where}: {diff}")
+    state_desc, _ = _model_state(trainer)
+    if m.get("model_state", []) != state_desc:
+        raise CheckpointError(f"{where}: mutable model state differs: {m.get('model_state', [])} ([path, shape, "
+                              f"dtype] per leaf) in the checkpoint, {state_desc} in this trainer")
     entry = next((f for f in m.get("files", []) if f.get("rank") == rank), None)
     if entry is None:
         raise CheckpointError(f"{where}: the manifest lists no file for rank {rank}")
@@ -256,7 +277,9 @@ def _load_rank(trainer, path: str):
     leaves = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
               for b, (shape, dt) in zip(d["opt_state"], mine["leaves"])]
     treedef = jax.tree_util.tree_structure(trainer.local_opt_state())
-    return int(m["step"]), m["tag"], shards, jax.tree_util.tree_unflatten(treedef, leaves)
+    model_state = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
+                   for b, (_, shape, dt) in zip(d.get("model_state", []), state_desc)]
+    return int(m["step"]), m["tag"], shards, jax.tree_util.tree_unflatten(treedef, leaves), model_state
 
 
 def restore(trainer, path: str) -> int:
@@ -272,6 +295,8 @@ def restore(trainer, path: str) -> int:
     if len({(a, b) for a, b in got}) != 1:
         raise CheckpointError(f"rank {trainer.rank}: ranks read different saves of {path}: "
                               + ", ".join(f"rank {r}: step {a} id {b:08x}" for r, (a, b) in enumerate(got)))
-    step, _, shards, opt_state = payload
+    step, _, shards, opt_state, model_state = payload
     trainer.load_local_state(shards, opt_state, step)
+    if model_state:
+        trainer.load_model_state(model_state)
     return step

@@ -220,23 +220,33 @@ class CollectiveTrainer(ShardedTrainer):
         grad_fn = self.program.grad(gather, compute_dtype)
         no_counts = jnp.zeros((3, 2), jnp.float32)
 
-        def mb_step(shards, residuals, acc, counts, consts, batch, ntok):
-            """counts: int32 [3] (peeled, estimated, kept) of my slices so far this minibatch."""
+        state = self.program.state
+
+        def mb_step(shards, residuals, acc, counts, consts, batch, ntok, state_acc):
+            """counts: int32 [3] (peeled, estimated, kept) of my slices so far this minibatch;
+            state_acc: my weighted mutable state so far (train.state; [1] without)."""
             params = {n: (s, residuals[n], no_counts) if n in residuals else s for n, s in shards.items()}
             loss, g = grad_fn(params, consts, batch, ntok, None)
+            if state is not None:
+                loss, w = loss
+                state_acc = state_acc + w
             grads = {n: g[n][0] if n in residuals else g[n] for n in shards}
             for n in residuals:
                 counts = counts + _carrier_to_counts(g[n][2])
             return (jax.tree_util.tree_map(jnp.add, acc, grads), {n: g[n][1] for n in residuals}, counts,
-                    new_sum("loss")(loss))
+                    new_sum("loss")(loss), state_acc)
 
         def opt_step(shards, state, acc):
             return optimizer_step(optimizer, shards, state, acc, new_sum("optimizer"))
 
         res_sh = {n: P(AXIS) for n in self.residuals}
         const_sh = tuple(P() for _ in self.consts)
-        self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), const_sh, P(AXIS), P()),
-                                     (spec_sh, res_sh, P(AXIS), P())), donate_argnums=(1, 2, 3))
+        self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), const_sh, P(AXIS), P(), P(AXIS)),
+                                     (spec_sh, res_sh, P(AXIS), P(), P(AXIS))), donate_argnums=(1, 2, 3, 7))
+        # The minibatch's state: every rank's weighted sums added once per minibatch (jax's psum on
+        # either transport: a small vector, off the per-unit channels).
+        self._state_size = 1 if state is None else state.size
+        self._state_sum = jax.jit(smap(lambda x: jax.lax.psum(x, AXIS), (P(AXIS),), P()))
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
         self.version = 0
@@ -323,12 +333,13 @@ class CollectiveTrainer(ShardedTrainer):
         ntok = jnp.float32(global_tokens)
         acc = {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}
         counts = self._global(np.zeros(3, np.int32))
+        state_acc = self._global(np.zeros(self._state_size, np.float32))
         loss = 0.0
         for m, mb in enumerate(mbs):
             t0, compiled0 = time.perf_counter(), compile_seconds()
             batch = jax.tree_util.tree_map(self._global, mb)
-            acc, self.residuals, counts, l = self._mb_step(self.shards, self.residuals, acc, counts, self.consts,
-                                                           batch, ntok)
+            acc, self.residuals, counts, l, state_acc = self._mb_step(self.shards, self.residuals, acc, counts,
+                                                                      self.consts, batch, ntok, state_acc)
             loss += float(l)  # blocks: the interval covers this microbatch only
             stall(self.straggle, res, self.version, self.rank, microbatch_identity(self.rank, m, sample_ids), t0,
                   compiled0)
@@ -342,6 +353,10 @@ class CollectiveTrainer(ShardedTrainer):
             res.kept_fraction = kept / selected if selected else None
         else:
             res.wire_bytes_selected = len(mbs) * self._tracked_wire
+        if self.program.state is not None:
+            total = np.asarray(self._state_sum(state_acc).addressable_data(0))
+            new = self.program.state.updated(self.consts, total)
+            self.consts = tuple(c if c is old else self._replicated(c) for c, old in zip(new, self.consts))
         t0 = time.perf_counter()
         self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
@@ -366,7 +381,8 @@ class CollectiveTrainer(ShardedTrainer):
         step. Every rank must call it with the same shapes (it runs collectives)."""
         jax.block_until_ready(self._mb_step(self.shards, self._copy(self.residuals), self._zeros(),
                                             self._global(np.zeros(3, np.int32)), self.consts,
-                                            jax.tree_util.tree_map(self._global, microbatch), jnp.float32(1.0)))
+                                            jax.tree_util.tree_map(self._global, microbatch), jnp.float32(1.0),
+                                            self._global(np.zeros(self._state_size, np.float32))))
 
     def _replicated(self, x) -> jax.Array:
         """A value every rank holds the same of, as a replicated global array (PRNG keys too)."""
@@ -374,6 +390,8 @@ class CollectiveTrainer(ShardedTrainer):
             impl = jax.random.key_impl(x)
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl))(self._replicated(jax.random.key_data(x)))
         return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()), np.asarray(x))
+
+    _const = _replicated
 
     def _zeros(self) -> dict:
         return {n: self._global(np.zeros(self.layout[n].shard, np.float32)) for n in self.layout.names}

@@ -224,6 +224,23 @@ class ShardedTrainer(abc.ABC):
         """Raises ConfigMismatchError on every rank unless all ranks pass the same `config`."""
         check_same(self.allgather_bytes, config, self.rank, what)
 
+    def local_consts(self) -> tuple:
+        """The constants every rank keeps whole (with mutable state, its current values), as this
+        rank's copies (a replicated global array's local one)."""
+        return tuple(c.addressable_data(0) if isinstance(c, jax.Array) and not c.is_fully_addressable else c
+                     for c in getattr(self, "consts", ()))
+
+    def load_model_state(self, values: Sequence[np.ndarray]) -> None:
+        """Replace the mutable model state's leaves (Program.state order; checkpoint.restore)."""
+        consts = list(self.consts)
+        for i, x in zip(self.program.state.consts, values):
+            consts[i] = self._const(np.asarray(x, consts[i].dtype))
+        self.consts = tuple(consts)
+
+    def _const(self, x: np.ndarray) -> jax.Array:
+        """A constant as this trainer holds it."""
+        return jnp.asarray(x)
+
     @abc.abstractmethod
     def local_shards(self) -> dict[str, np.ndarray]:
         """This rank's fp32 parameter shards, as host copies."""

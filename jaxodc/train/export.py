@@ -29,7 +29,8 @@ def full_params(state) -> Any:
     (`sharded_step(...).init(...)`), assembled from every rank's shards; collective."""
     mine = {n: np.asarray(x, np.float32).tobytes() for n, x in state.local_shards().items()}
     got = state.allgather_obj(mine)
-    return state.program.unshard([{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got])
+    return state.program.unshard([{n: np.frombuffer(b, np.float32) for n, b in g.items()} for g in got],
+                                 state.local_consts())
 
 
 def export(state, path: str, metadata: Mapping | None = None) -> str:

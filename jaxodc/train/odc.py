@@ -106,7 +106,8 @@ class OdcTrainer(ShardedTrainer):
 
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
-        the microbatch's summed loss (then `example_batch` is needed), or a `program.Program`.
+        the microbatch's summed loss or (that, new state) (then `example_batch` is needed), or a
+        `program.Program`. With mutable state the runtime needs `Program.runtime_units()`.
       optimizer: any Optax transformation; it runs on the local shards.
       params: the full initial parameters, the same on every rank.
       runtime: the ODC runtime (`jaxodc.odc.Runtime` across processes).
@@ -144,14 +145,15 @@ class OdcTrainer(ShardedTrainer):
         self._register_ranges(compress)
         shards = {n: jnp.asarray(s) for n, s in self.program.shard(params, self.rank).items()}
         self.opt_state = optimizer.init(shards)
+        self._state_unit = self._check_state_unit()
         grad_fn = self.program.grad(gather or odc_gather_fn(runtime, compute_dtype), compute_dtype)
         def mb_step(s, c, b, n, v):
             # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
             # returned so the backward pass stays live and ordered before the result, without
             # materialising shard-sized zeros every microbatch (the pushes themselves are
-            # side-effecting custom calls, never dropped).
-            loss, g = grad_fn(s, c, b, n, v)
-            return loss, sum(x[0] for x in jax.tree_util.tree_leaves(g))
+            # side-effecting custom calls, never dropped). out: the loss, or (loss, weighted state).
+            out, g = grad_fn(s, c, b, n, v)
+            return out, sum(x[0] for x in jax.tree_util.tree_leaves(g))
 
         self._mb_step = jax.jit(mb_step)
 
@@ -181,6 +183,23 @@ class OdcTrainer(ShardedTrainer):
         self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
         self._traffic_seen = self._traffic()
         self._publish(shards, 0)
+        if self._state_unit is not None:
+            self.rt.publish(self._state_unit, np.zeros(self._state_padded // self.world, np.float32), 0)
+
+    def _check_state_unit(self) -> int | None:
+        """The runtime unit that sums the weighted mutable state (train.state), after the layout's:
+        one push per rank and one gather per minibatch (a reduce-scatter and an all-gather on the
+        gradients' path, ordered by the done / wait_complete every minibatch makes anyway), where
+        allgather_scalar would take a round trip per scalar."""
+        if self.program.state is None:
+            return None
+        self._state_padded = self.program.runtime_units()[-1]
+        want, got = self.program.runtime_units(), getattr(self.rt, "unit_sizes", None)
+        if got is not None and list(got) != want:
+            raise ValueError(f"rank {self.rank}: the runtime has units {list(got)}, the model needs {want} (its "
+                             f"layout's, then one for the mutable state {list(self.program.state.paths)[:3]}...): "
+                             "create it with Runtime.create(program.runtime_units(), ctx)")
+        return len(self.layout.units)
 
     def _register_ranges(self, plan: CompressionPlan | None) -> None:
         """The plan's pieces travel compressed; without a plan the default setting's pieces are
@@ -263,17 +282,24 @@ class OdcTrainer(ShardedTrainer):
         res, cpu0 = StepResult(step, 0.0, time.perf_counter(), 0.0), time.process_time()
         res.straggle_s = None if self.straggle is None else []
         ntok, ver = jnp.float32(global_tokens), jnp.int32(v)
-        loss = 0.0
+        loss, state = 0.0, None
         for m, mb in enumerate(microbatches):
             t0, compiled0 = time.perf_counter(), compile_seconds()
             l, _ = self._mb_step(self.shards, self.consts, jax.tree_util.tree_map(jnp.asarray, mb), ntok, ver)
+            if self._state_unit is not None:
+                l, w = l
+                state = np.asarray(w) if state is None else state + np.asarray(w)
             loss += float(l)
             # after the compute, before the next claim: a slowed rank steals less
             stall(self.straggle, res, step, self.rank, microbatch_identity(self.rank, m, sample_ids), t0, compiled0)
             res.microbatches.append((t0, time.perf_counter()))
+        if state is not None:  # a rank that ran nothing adds nothing
+            self.rt.scatter_accumulate(self._state_unit, v, np.pad(state, (0, self._state_padded - state.size)))
         self.rt.done(v)
         self.rt.wait_complete(v)
         self._record_traffic(res)  # my pushes and my shards' decoding of minibatch v are complete
+        # Before any v + 1 publication: peers push the next minibatch's state right after it.
+        state_sum = None if self._state_unit is None else self.rt.fetch_grad(self._state_unit)
         t0 = time.perf_counter()
         # The gradients are read where they accumulated (no copy on the CPU backend) ...
         grads = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
@@ -286,6 +312,10 @@ class OdcTrainer(ShardedTrainer):
         for u in self.layout.units:
             self.rt.clear_grad(u.index)
         self._publish(shards, v + 1)
+        if state_sum is not None:
+            self.rt.publish(self._state_unit, state_sum, v + 1)
+            new = self.program.state.updated(self.consts, self.rt.gather(self._state_unit, v + 1))
+            self.consts = tuple(jnp.asarray(c) for c in new)
         res.opt = (t0, time.perf_counter())
         res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
         res.t_end, res.cpu = time.perf_counter(), time.process_time() - cpu0
@@ -344,12 +374,15 @@ class OdcTrainer(ShardedTrainer):
                                                 self.opt_state, opt_state)
         self.rt.done(rv)
         self.rt.wait_complete(rv)
-        for u in self.layout.units:
-            g = np.asarray(self.rt.fetch_grad(u.index))
+        extra = [] if self._state_unit is None else [(self._state_unit, "mutable state")]
+        for index, name in [(u.index, repr(u.name)) for u in self.layout.units] + extra:
+            g = np.asarray(self.rt.fetch_grad(index))
             if np.any(g != 0):
-                raise RuntimeError(f"rank {self.rank}: unit {u.name!r} received gradients for minibatch {rv} "
+                raise RuntimeError(f"rank {self.rank}: unit {name} received gradients for minibatch {rv} "
                                    "while restoring; every rank must restore between minibatches, together")
         self._publish(new_shards, rv + 1)
+        if self._state_unit is not None:
+            self.rt.publish(self._state_unit, np.zeros(self._state_padded // self.world, np.float32), rv + 1)
         self.version = int(version)
         self._rt_base = self.version - (rv + 1)
 

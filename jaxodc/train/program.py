@@ -10,7 +10,9 @@ keeps whole, and the microbatch gradient given a gather. Two kinds:
 
 `loss_fn` returns the *sum* of its per-token (or per-sample) losses over the microbatch; the
 trainer divides by the global count of the minibatch, because ranks run uneven microbatches and a
-per-microbatch mean would weight them wrongly. A loss_fn returning anything but a float scalar is
+per-microbatch mean would weight them wrongly. It may also return `(that sum, new state)` for
+mutable state such as BatchNorm statistics (train.state: the state leaves become constants, and
+the minibatch's new state is the count-weighted mean of its microbatches'); any other output is
 refused when first traced.
 """
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,8 +41,13 @@ class Program:
         passed to every microbatch step, never sent.
       grad: builds the microbatch gradient from the trainer's gather.
       shard: (full params, rank) -> that rank's fp32 shards {unit: array}.
-      unshard: every rank's shards (by rank) -> the full parameters, in the model's own structure.
+      unshard: (every rank's shards (by rank), consts=None) -> the full parameters, in the model's
+        own structure; `consts`: the trainer's current constants (its mutable state), default
+        the initial ones.
       kind: "staged" or "traced".
+      state: the loss's mutable state (train.state.ModelState), None without; then `grad`'s fn
+        returns ((loss, weighted state [state.size]), grads) and the trainer writes the summed
+        state back with `state.updated(consts, total)`.
     """
 
     layout: Layout
@@ -50,6 +56,15 @@ class Program:
     shard: Callable[[Any, int], dict]
     unshard: Callable[[Sequence[Mapping[str, np.ndarray]]], Any]
     kind: str
+    state: Any = None
+
+    def runtime_units(self) -> list[int]:
+        """The ODC runtime's unit sizes: the layout's units, then (with mutable state) one more
+        that carries the weighted state sums (odc.py)."""
+        sizes = [u.padded for u in self.layout.units]
+        if self.state is not None:
+            sizes.append(-(-self.state.size // self.layout.world) * self.layout.world)
+        return sizes
 
 
 def staged_program(model, params: Mapping, world: int) -> Program:
@@ -61,46 +76,70 @@ def staged_program(model, params: Mapping, world: int) -> Program:
         return lambda shards, consts, batch, count, gather_arg: g(shards, batch, count, gather_arg)
 
     return Program(layout, (), grad, lambda p, rank: shard_params(layout, p, rank),
-                   lambda shards: unshard_params(layout, shards), "staged")
+                   lambda shards, consts=None: unshard_params(layout, shards), "staged")
 
 
-def _checked_loss(loss_fn: Callable) -> Callable:
-    def loss(params, batch):
-        out = loss_fn(params, batch)
-        if not (isinstance(out, jax.Array) and out.ndim == 0 and jnp.issubdtype(out.dtype, jnp.floating)):
-            raise TypeError(
-                f"loss_fn must return one float scalar, the SUM of its per-token (or per-sample) losses "
-                f"over the microbatch; got {jax.typeof(out) if isinstance(out, jax.Array) else type(out).__name__}. "
-                "jaxodc divides by the minibatch's global count (ranks run uneven microbatches, so a "
-                "per-microbatch mean would weight them wrongly). A loss with auxiliary outputs or mutable "
-                "state (BatchNorm statistics) is not trainable by the sharded trainers yet: return the loss alone")
+def _checked_loss(loss_fn: Callable, params, stateful: bool) -> Callable:
+    """loss_fn, checked on every trace to return what its first trace returned (train.state)."""
+    from jaxodc.train.state import state_paths
+
+    def loss(p, batch):
+        out = loss_fn(p, batch)
+        if (state_paths(out, params) is not None) != stateful:
+            raise TypeError(f"loss_fn returned {'no ' if stateful else ''}new state for this batch signature, "
+                            f"unlike for the example batch; return the same structure for every batch")
         return out
     return loss
 
 
-def traced_program(loss_fn: Callable, params, example_batch, world: int, **policy) -> Program:
+def traced_program(loss_fn: Callable, params, example_batch, world: int, *, count_fn: Callable | None = None,
+                   **policy) -> Program:
     """The program of any `loss_fn(params, batch)` (see the module docstring).
 
     Args:
-      loss_fn: returns the microbatch's summed loss (a float scalar).
+      loss_fn: returns the microbatch's summed loss (a float scalar), or (that, new state) (train.state).
       params: the full parameter pytree (arrays or jax.ShapeDtypeStruct).
       example_batch: a microbatch (arrays or ShapeDtypeStruct): the loss is traced on it to find
         scan-stacked layers.
       world: ranks.
+      count_fn: with mutable state, batch -> the microbatch's count, its new state's weight
+        (default: the sum of batch["loss_mask"] or batch["mask"]).
       **policy: train.discover.discover_units' unit policy (units=, stacked=, frozen=,
         max_unit_bytes=).
     """
     from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
     from jaxodc.train.gather_on_use import microbatch_grad_any, plan_for
+    from jaxodc.train.state import ModelState, default_count, freeze_patterns, model_state
 
-    loss = _checked_loss(loss_fn)
+    paths = model_state(loss_fn, params, example_batch)
+    if paths:  # state leaves are constants whatever the unit policy says
+        policy["frozen"] = tuple(policy.get("frozen") or ()) + freeze_patterns(paths)
+    elif count_fn is not None:
+        raise ValueError("count_fn= weights a loss's new state, and this loss returns no state")
+    loss = _checked_loss(loss_fn, params, bool(paths))
     plan = plan_for(loss, params, example_batch, world, **policy)
     consts = tuple(jnp.asarray(x) for x in const_leaves(plan, params))
-    return Program(plan.layout, consts,
-                   lambda gather, compute_dtype=jnp.float32: microbatch_grad_any(loss, plan, gather,
-                                                                                 compute_dtype=compute_dtype),
-                   lambda p, rank: shard_tree(plan, p, rank),
-                   lambda shards: unshard_tree(plan, shards, list(consts)), "traced")
+    state = None
+    if paths:
+        at = {p: i for i, p in enumerate(plan.const_paths)}
+        leaves = [consts[at[p]] for p in paths]
+        state = ModelState(paths, tuple(at[p] for p in paths), tuple(x.shape for x in leaves),
+                           tuple(x.dtype for x in leaves), count_fn or default_count)
+
+    def grad(gather, compute_dtype=jnp.float32):
+        g = microbatch_grad_any(loss, plan, gather, has_aux=state is not None, compute_dtype=compute_dtype)
+        if state is None:
+            return g
+
+        def with_state(shards, consts, batch, count, gather_arg):
+            (l, new), grads = g(shards, consts, batch, count, gather_arg)
+            return (l, state.weighted(new, batch)), grads
+        return with_state
+
+    def unshard(shards, current=None):
+        return unshard_tree(plan, shards, list(consts if current is None else current))
+
+    return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state)
 
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
