@@ -12,6 +12,12 @@ step. The run fails if 30 s pass without any completed step, if two peers ever r
 hashes for the same revision, or if a peer dies of anything but SIGKILL.
 
 ``python bench/churn.py worker MASTER SECRET NAME OUTFILE`` is one peer.
+
+Group mode (``--groups``): the peers are whole sites of 2 ODC ranks training the small LM, joined by
+DiLoCo across sites (`jaxodc train --groups ... --join`, jaxodc.train.sites). Every 4-12 s a rank
+of a random site is SIGKILLed (its launcher ends the site) or a new site is started, which joins
+the running job. It fails when two sites report different shared-state hashes for one ring and
+outer step, and reports the longest gap without an inner minibatch completed anywhere.
 """
 from __future__ import annotations
 
@@ -222,6 +228,104 @@ class Churn:
                 "failures": self.conflicts, "service": snap["counters"], "workdir": self.dir}
 
 
+class GroupChurn:
+    """Sites of `ranks` ODC ranks joining and dying at random while the job trains (see the module
+    doc). Sites run `jaxodc train` with the job's options (`train_args`)."""
+
+    def __init__(self, seconds: float, seed: int = 0, max_sites: int = 4, ranks: int = 2, inner_steps: int = 2,
+                 wan_mbps: float = 20.0, workdir: str | None = None, log=print):
+        import tempfile
+        from jaxodc.cli import sites
+        from jaxodc.cli.train import parser, worker_argv
+        self.seconds, self.max_sites, self.log = seconds, max_sites, log
+        self.rng = random.Random(seed)
+        self.dir = workdir or tempfile.mkdtemp(prefix="jaxodc-group-churn-")
+        self.out, self.stop = os.path.join(self.dir, "rec"), os.path.join(self.dir, "stop")
+        self.args = parser().parse_args([
+            "--groups", "2", "--ranks", str(ranks), "--diloco", str(inner_steps), "--steps", "100000000", "--samples", "1024",
+            "--minibatch", "2", "--max-tokens", "96", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--wan-mbps", str(wan_mbps), "--wan-ms", "5", "--trace-sites", "--stop-file", self.stop,
+            "--json", self.out, "--timeout", str(int(seconds + 600))])
+        # a newcomer compiles from the job's cache: the others would wait for its first minibatch
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self.dir, "jax-cache"))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        self.sites = sites
+        self.job = sites.LocalJob(self.args, worker_argv(self.args), echo=None)
+        self.next_site, self.joins, self.kills = 0, 0, 0
+        self.killed: set[int] = set()
+
+    def alive(self) -> list[int]:
+        return [s for s, p in self.job.sites.items() if p.poll() is None]
+
+    def training(self) -> list[int]:
+        """Sites that have completed an outer step (hold the shared state)."""
+        seen = {int(m.group(1)) for _, line in self.job.lines for m in [self.sites.OUTER_LINE.search(line)] if m}
+        return [s for s in self.alive() if s in seen]
+
+    def start(self, join: bool) -> None:
+        self.job.start(self.next_site, join=join)
+        self.log(f"[group churn] started site {self.next_site}" + (" (joins)" if join else ""))
+        self.next_site += 1
+        self.joins += join
+
+    def kill(self) -> bool:
+        live = self.training()
+        if len(live) < 2:  # never the last site holding the shared state
+            return False
+        site = self.rng.choice(live)
+        try:
+            self.job.kill_rank(site, index=self.rng.randrange(self.args.ranks))
+        except RuntimeError:
+            return False
+        self.killed.add(site)
+        self.kills += 1
+        self.log(f"[group churn] killed a rank of site {site}")
+        return True
+
+    def gaps(self) -> float:
+        """Longest time without an inner minibatch completed on any site (from the ranks' clocks)."""
+        import re
+        rx = re.compile(r"minibatch \d+ done at ([0-9.]+)")
+        times = sorted(float(m.group(1)) for _, line in self.job.lines for m in [rx.search(line)] if m)
+        return max((b - a for a, b in zip(times, times[1:])), default=float("inf"))
+
+    def run(self) -> dict:
+        t0 = time.monotonic()
+        failures = []
+        try:
+            self.start(False)
+            self.start(False)
+            self.job.wait_outer(1, timeout_s=300)
+            t_train = time.monotonic()
+            next_event = time.monotonic() + self.rng.uniform(4, 12)
+            while time.monotonic() - t0 < self.seconds:
+                time.sleep(0.2)
+                if time.monotonic() < next_event:
+                    continue
+                n = len(self.alive())
+                if n < 2 or (n < self.max_sites and self.rng.random() < 0.5) or not self.kill():
+                    if n < self.max_sites:
+                        self.start(True)
+                next_event = time.monotonic() + self.rng.uniform(4, 12)
+            open(self.stop, "w").close()
+            status = self.job.wait(timeout_s=300)
+        finally:
+            self.job.close()
+        unexpected = {s: rc for s, rc in status.items() if rc and s not in self.killed}
+        if unexpected:
+            failures.append(f"sites ended with errors: {unexpected}")
+        per = self.sites.ring_hashes(self.out, sorted(self.job.sites))
+        diverged = {f"ring {r} step {k}": h for (r, k), h in per.items() if len(set(h.values())) > 1}
+        if diverged:
+            failures.append(f"shared state diverged: {diverged}")
+        first = min((t for t, line in self.job.lines if "minibatch" in line), default=None)
+        return {"seconds": round(time.monotonic() - t0, 1), "group_changes": self.joins + self.kills,
+                "joins": self.joins, "kills": self.kills, "outer_steps": self.job.outer_done,
+                "ring_steps_checked": len(per), "longest_gap_s": round(self.gaps(), 2),
+                "training_s": None if first is None else round(time.monotonic() - t_train, 1),
+                "failures": failures, "workdir": self.dir}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
@@ -233,7 +337,20 @@ def main(argv=None) -> int:
     ap.add_argument("--link-mbps", type=float, default=20.0,
                     help="emulated outgoing link cap per peer in MB/s (0: loopback speed)")
     ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--groups", action="store_true", help="churn whole sites of 2 ODC ranks (DiLoCo across sites)")
     args = ap.parse_args(argv)
+    if args.groups:
+        res = GroupChurn(args.minutes * 60, args.seed).run()
+        print(json.dumps(res, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        bars = [("group changes", res["group_changes"], ">= 50", res["group_changes"] >= 50),
+                ("longest gap without an inner minibatch (s)", res["longest_gap_s"], "<= 5", res["longest_gap_s"] <= 5)]
+        for name, v, bar, met in bars:
+            print(f"{name}: {v} (bar {bar}: {'met' if met else 'NOT met'})")
+        print(f"shared state: {'diverged' if res['failures'] else 'bit-identical on every site, ring and outer step'}")
+        return 1 if res["failures"] else 0
     res = Churn(args.minutes * 60, args.max_peers, args.seed, link_bps=args.link_mbps * 1e6).run()
     print(json.dumps(res, indent=1))
     if args.json:

@@ -83,7 +83,7 @@ def test_site_killed_in_the_outer_all_reduce_and_a_site_joining(tmp_path):
     from jaxodc.cli import sites
     from jaxodc.cli.train import parser, worker_argv
     out, stop = str(tmp_path / "rec"), str(tmp_path / "stop")
-    args = parser().parse_args(["--groups", "3", "--diloco", "2", "--steps", "100000", "--wan-mbps", "4",
+    args = parser().parse_args(["--groups", "3", "--diloco", "2", "--steps", "100000", "--samples", "256", "--wan-mbps", "4",
                                 "--wan-ms", "10", "--trace-sites", "--stop-file", stop, "--json", out, *SMALL])
     job = sites.LocalJob(args, worker_argv(args), echo=None)
     try:

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "train": "jaxodc.bench.train",
     "allreduce": "jaxodc.bench.allreduce",
     "sketch": "jaxodc.bench.sketch",
+    "diloco": "jaxodc.bench.diloco",
 }
 
 

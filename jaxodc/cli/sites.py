@@ -145,7 +145,7 @@ def worker(args, model_of, load_samples) -> None:
                 say(f"site {args.site} outer step {k}: loss {rec.loss:.4f}, sites {rec.sites}, "
                     f"{rec.seconds:.2f} s ({rec.compute_s:.2f} s inner), {rec.bytes_sent / 1e6:.3g} MB sent by rank 0")
             site.finish()
-            final = site.global_shards()
+            final, sent = site.global_shards(), site.bytes_sent()
         finally:
             site.close()
         trainer.close()
@@ -155,10 +155,12 @@ def worker(args, model_of, load_samples) -> None:
             ctx.server.close()
         raise
     import numpy as np
-    shards = [json.loads(b) for b in ctx.allgather("jaxodc/sites/shards", json.dumps(
-        {k: np.asarray(v, np.float32).astype(float).tolist() for k, v in final.items()}).encode())]
+    mine = {"shards": {k: np.asarray(v, np.float32).astype(float).tolist() for k, v in final.items()},
+            "bytes_sent": sent}
+    every = [json.loads(b) for b in ctx.allgather("jaxodc/sites/final", json.dumps(mine).encode())]
     if stream:
-        out = {"site": args.site, "records": read_records(args.json, args.site), "shards": shards}
+        out = {"site": args.site, "records": read_records(args.json, args.site),
+               "shards": [e["shards"] for e in every], "bytes_sent": [e["bytes_sent"] for e in every]}
         path = args.json + JSON_SUFFIX.format(args.site)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)

@@ -90,7 +90,8 @@ class OuterRecord:
     seconds: float           # wall time of the whole outer step
     compute_s: float         # of which the inner minibatches
     sites: int               # sites in this rank's ring after the step
-    bytes_sent: int          # this rank's cross-site bytes during the step
+    bytes_sent: int          # this rank's cross-site bytes during the step (async: what the
+                             # background all-reduce sent meanwhile)
     state_hash: int          # the ring's shared state (diloco) or this rank's shards (hybrid)
     retries: int = 0         # outer all-reduces of this rank re-run after a failure, so far
     events: list = field(default_factory=list)  # membership changes seen at this step
@@ -236,7 +237,7 @@ class SiteRank:
         sites0 = self.comm.world_size
         events = self.begin()
         count = self.outer_step_count()
-        sent0 = self.comm.ep.stats()["bytes_sent"]
+        sent0 = self.bytes_sent()
         tc = time.perf_counter()
         recs = []
         for mb in minibatches:
@@ -261,7 +262,7 @@ class SiteRank:
         return OuterRecord(site=self.site, rank=self.trainer.rank, outer_step=count, inner=len(recs),
                            loss=float(np.mean([r.loss for r in recs])) if recs else float("nan"),
                            tokens=int(tokens), seconds=time.perf_counter() - t0, compute_s=compute,
-                           sites=self.comm.world_size, bytes_sent=int(self.comm.ep.stats()["bytes_sent"] - sent0),
+                           sites=self.comm.world_size, bytes_sent=self.bytes_sent() - sent0,
                            state_hash=int(digest), events=events,
                            retries=0 if self.diloco is None else self.diloco.reducer.retries)
 
@@ -276,6 +277,10 @@ class SiteRank:
         if self.diloco is None:
             return self.state.local_shards()
         return {k: np.asarray(v) for k, v in self.diloco.global_params.items()}
+
+    def bytes_sent(self) -> int:
+        """Cross-site bytes this rank has sent so far (its ring endpoint's count)."""
+        return int(self.comm.ep.stats()["bytes_sent"])
 
     def close(self) -> None:
         """Leaves the communicator (the rings' survivors go on without this site)."""
