@@ -15,6 +15,9 @@ the step -- so clipping stays exact, at the price of one scalar all-sum per unit
 step. Each call computes that unit's outputs with the ops of the whole-tree step; the shared state
 (counts) is taken from the first call, i.e. advanced once per step.
 
+Each unit's call traces the whole update, so compiling a step costs about units² of the
+whole-tree step's tracing (fine for tens of units).
+
 Transformations whose outputs mix units otherwise (`optax.flatten`, anything reading another
 unit's parameters or state) are not separable: `UnitwiseOptimizer.separable` is False with the
 reason, and the caller keeps the whole-tree step.
