@@ -174,6 +174,9 @@ def main(argv: list[str]) -> int:
 _HOLDERS = {"get-tuple-element", "bitcast", "copy", "convert", "reshape", "transpose", "slice", "tuple",
             "opt-barrier", "all-gather-done", "copy-start", "copy-done", "dynamic-slice", "concatenate"}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+# ODC's gathers (whole unit, into a buffer, one buffer per parameter); XLA's all-gathers by opcode.
+_ODC_GATHER = re.compile(r'custom_call_target="jaxodc_odc_gather(_pieces|_into)?"')
+_ALL_GATHER = ("all-gather", "all-gather-start")
 
 
 def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
@@ -218,7 +221,7 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
         for a in operands:
             for g in holds.get(a, ()):
                 last[g] = i
-        if (op == "custom-call" and "odc_gather" in attrs) or op in ("all-gather", "all-gather-start"):
+        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER:
             holds[name] = {len(born)}
             born.append(i)
             last.append(i)
@@ -228,8 +231,8 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
         if src and (op in ("tuple", "opt-barrier", "get-tuple-element") or
                     (pure and (op in _HOLDERS or (op == "fusion" and "kind=kLoop" in attrs)))):
             holds[name] = src
-    total = sum(1 for line in hlo.splitlines() if re.search(r"custom-call\(.*custom_call_target=\"jaxodc_odc_gather\"", line)
-                or re.search(r"= \S+ all-gather(-start)?\(", line))
+    total = sum(1 for line in hlo.splitlines()
+                if _ODC_GATHER.search(line) or re.search(r"= \S+ (%s)\(" % "|".join(_ALL_GATHER), line))
     if total != len(born):
         raise RuntimeError(f"{total - len(born)} of {total} gathers sit outside the step's ENTRY computation "
                            "(inside a loop or call); their lifetimes are not read")

@@ -57,3 +57,8 @@ def test_gathered_units_follow_the_schedule():
     assert gathered_peak_units(HLO) == (2, 3)
     late = HLO.replace("%out = f32[2,8]{1,0} fusion(%h1, %c2, %h0)", "%out = f32[2,8]{1,0} fusion(%h1, %c2, %w0)")
     assert gathered_peak_units(late) == (3, 3)  # g0's slice kept to the end: all three alive there
+    # a gather into one buffer per parameter: a tuple, its elements held until their last use
+    pieces = HLO.replace('%g1 = f32[8]{0} custom-call(%s1, %v), custom_call_target="jaxodc_odc_gather"',
+                         '%t1 = (f32[4]{0}, f32[4]{0}) custom-call(%s1, %v), custom_call_target="jaxodc_odc_gather_pieces"\n'
+                         '  %g1 = f32[4]{0} get-tuple-element(%t1), index=1')
+    assert gathered_peak_units(pieces) == (2, 3)
