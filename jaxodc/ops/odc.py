@@ -17,7 +17,9 @@ import numpy as np
 from jaxodc import _native
 from jaxodc.ops._common import native_handle, new_token
 
-_native.register_targets()
+# An extension built before the one-buffer-per-piece gather lacks it: pieces are then cut from the
+# whole unit (same values, a unit's worth more memory).
+_GATHER_PIECES = "jaxodc_odc_gather_pieces" in _native.register_targets()
 
 
 def _reject_vmap(op: str, unit: int, *args) -> None:
@@ -80,7 +82,7 @@ def _in_order(pieces) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _gather_pieces(local_shard, version, runtime, unit, numel, pieces, dtype):
-    if not _in_order(pieces):  # overlapping or unsorted pieces: cut from the whole unit
+    if not (_GATHER_PIECES and _in_order(pieces)):  # overlapping or unsorted pieces: cut from the whole unit
         return _cut(_gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype), pieces)
     # Straight into one buffer per piece: slicing a whole gathered unit makes XLA copy every
     # slice at a non-zero offset, a second unit's worth of memory beside the unit.
