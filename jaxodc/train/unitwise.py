@@ -102,11 +102,11 @@ class UnitwiseOptimizer:
         upd_paths = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
         n_upd = len(upd_paths)
         self.reason = None
-        if sorted(upd_paths) != sorted(self.names) or len(out_shape[1]) != len(paths):
+        if len(upd_paths) != len(self.names) or set(upd_paths) != set(self.names) or len(out_shape[1]) != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
         for i, d in enumerate(deps):
             unit = upd_paths[i] if i < n_upd else self._state_unit[i - n_upd]
-            if unit is None:
+            if unit is None or self.reason is not None:
                 continue  # shared state: computed in the first call, from untouched inputs
             bad = sorted(f"{k} {u}" for k, u in d if (k in ("shard", "state") and u not in (unit, None)))
             if bad and self.reason is None:
