@@ -104,9 +104,9 @@ class UnitwiseOptimizer:
         self.reason = None
         if len(upd_paths) != len(self.names) or set(upd_paths) != set(self.names) or len(out_shape[1]) != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
-        for i, d in enumerate(deps):
+        for i, d in enumerate(deps if self.reason is None else ()):
             unit = upd_paths[i] if i < n_upd else self._state_unit[i - n_upd]
-            if unit is None or self.reason is not None:
+            if unit is None:
                 continue  # shared state: computed in the first call, from untouched inputs
             bad = sorted(f"{k} {u}" for k, u in d if (k in ("shard", "state") and u not in (unit, None)))
             if bad and self.reason is None:
