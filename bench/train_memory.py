@@ -56,11 +56,62 @@ def _local_nbytes(tree) -> int:
                    else np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
+def _compiled(jitted, *args):
+    return jitted.lower(*args).compile()
+
+
 def _analysis(jitted, *args) -> dict[str, int]:
-    ma = jitted.lower(*args).compile().memory_analysis()
+    return _memory(_compiled(jitted, *args))
+
+
+def _memory(compiled) -> dict[str, int]:
+    ma = compiled.memory_analysis()
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
             "peak_memory_in_bytes")
     return {k.replace("_size_in_bytes", "").replace("_in_bytes", ""): int(getattr(ma, k, 0) or 0) for k in keys}
+
+
+def accounted(tr, batch: dict) -> dict:
+    """The trainer's accounted peak per rank: live state (shards, optimizer state, the ODC
+    runtime's memory) + the larger of its two phases' compiled step peaks (a microbatch of `batch`;
+    the optimizer step). Also `mb_compiled`, the compiled microbatch step."""
+    import jax.numpy as jnp
+    state = _local_nbytes(tr.shards) + _local_nbytes(tr.opt_state)
+    opt_bytes = _local_nbytes(tr.opt_state)
+    native = {}
+    if tr.comm == "collective":
+        gb = {k: tr._global(v) for k, v in batch.items()}
+        acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
+        counts = tr._global(np.zeros(3, np.int32))
+        mb_c = _compiled(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0))
+        mb, opt = _memory(mb_c), _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
+        opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+    else:
+        st = tr.rt.stats()
+        native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
+        outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
+        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
+        mb_c = _compiled(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
+        mb = _memory(mb_c)
+        if tr.unitwise is None:
+            opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
+        else:  # one call per unit, one after the other: the largest counts
+            opt = max((_analysis(fn, *a) for _, fn, a in tr.unitwise.calls(tr.shards, tr.opt_state, grads,
+                                                                             jnp.int32(tr.version))),
+                      key=lambda m: m["temp"] + m["output"] - m["alias"])
+        mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
+        if tr._masters is None:
+            opt_phase = outside + _step_peak(opt)         # args: shards, optimizer state, fetched gradients
+        else:
+            # The shards are the runtime's masters and the gradients its accumulators (both in
+            # `outside`, whichever of them the step reads); the step outputs the updates (of one
+            # unit under tr.unitwise), added into the masters in place.
+            mb_phase -= _local_nbytes(tr.shards)
+            opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
+    return {"state": state, "mb_step": mb, "opt_step": opt, "native": native, "mb_phase": mb_phase,
+            "opt_phase": opt_phase, "peak_xla": max(mb_phase, opt_phase), "mb_compiled": mb_c}
 
 
 def _step_peak(ma: dict) -> int:
@@ -71,23 +122,26 @@ def _step_peak(ma: dict) -> int:
 
 
 def activation_bytes(model, params_shape, tokens: int, compute_dtype=None) -> dict[str, int]:
-    """Activations of one microbatch of `tokens` tokens, measured from the compiled program: the
-    same remat'd per-unit program as the trainers' on one process with identity gathers (no
-    communication), temp size at `tokens` less temp size at 1 token (parameter-sized buffers,
-    which do not scale with tokens)."""
+    """Activations of one microbatch of `tokens` tokens of a unit-staged model (program_activations
+    with packed token rows of `tokens` and of 1 token)."""
+    from jaxodc.balance.packing import pack
+    from jaxodc.train.program import staged_program
+    return program_activations(staged_program(model, params_shape, 1), pack([], tokens).as_dict(),
+                               pack([], 1).as_dict(), compute_dtype)
+
+
+def program_activations(program, batch: dict, small: dict, compute_dtype=None) -> dict[str, int]:
+    """Activations of microbatch `batch`, measured from the compiled program: the trainers'
+    remat'd per-unit program (`program` built for one rank) with identity gathers (no
+    communication), temp size at `batch` less temp size at the smallest batch `small`
+    (parameter-sized buffers, which do not scale with the batch)."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.train.core import microbatch_grad
-    from jaxodc.balance.packing import pack
-    from jaxodc.train.units import make_layout
-    layout = make_layout(params_shape, 1, order=model.unit_names)
-    shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in layout.units}
+    shards = {u.name: jax.ShapeDtypeStruct((u.padded,), jnp.float32) for u in program.layout.units}
     dtype = compute_dtype or jnp.float32  # units arrive in it (bf16 under mixed precision)
-    f = jax.jit(microbatch_grad(model, layout, lambda s, spec, ctx: s.astype(dtype)))
-    temp = {}
-    for T in (1, tokens):
-        temp[T] = _analysis(f, shards, pack([], T).as_dict(), jnp.float32(1.0), None)["temp"]
-    return {"activations": max(temp[tokens] - temp[1], 0), "temp_w1": temp[tokens], "temp_w1_1token": temp[1]}
+    f = jax.jit(program.grad(lambda s, spec, ctx: s.astype(dtype), dtype))
+    temp = [_analysis(f, shards, program.consts, b, jnp.float32(1.0), None)["temp"] for b in (batch, small)]
+    return {"activations": max(temp[0] - temp[1], 0), "temp_w1": temp[0], "temp_w1_1token": temp[1]}
 
 
 def unsharded_peak(model, params_shape, optimizer, tokens: int) -> int:
@@ -174,41 +228,15 @@ def worker(args) -> int:
     overhead = private_before - base["RssAnon"] - live - (rt.stats()["accum_bytes"] if rt else 0)
 
     # Accounted: live state + the larger of the two phases' XLA step peaks.
-    batch = pack([data[0]], T).as_dict()
-    state = _local_nbytes(tr.shards) + _local_nbytes(tr.opt_state)
-    opt_bytes = _local_nbytes(tr.opt_state)
-    native = {}
-    if comm == "collective":
-        gb = {k: tr._global(v) for k, v in batch.items()}
-        acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
-        counts = tr._global(np.zeros(3, np.int32))
-        mb = _analysis(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0))
-        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
-        mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
-        opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
-    else:
-        st = rt.stats()
-        native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
-        outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
-        jb = {k: jnp.asarray(v) for k, v in batch.items()}
-        grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
-        mb = _analysis(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
-        opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
-        mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
-        if tr._masters is None:
-            opt_phase = outside + _step_peak(opt)         # args: shards, optimizer state, fetched gradients
-        else:
-            # The shards are the runtime's masters and the gradients its accumulators (both in
-            # `outside`, whichever of them the step reads); the step outputs the updates, added
-            # into the masters in place.
-            mb_phase -= _local_nbytes(tr.shards)
-            opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
-    peak_xla = max(mb_phase, opt_phase)
+    acc = accounted(tr, pack([data[0]], T).as_dict())
+    state, mb, opt, native = acc["state"], acc["mb_step"], acc["opt_step"], acc["native"]
+    mb_phase, opt_phase, peak_xla = acc["mb_phase"], acc["opt_phase"], acc["peak_xla"]
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
-           "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase, "mb_step": mb, "opt_step": opt, **native,
+           "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase,
+           "opt_unitwise": comm == "odc" and tr.unitwise is not None, "mb_step": mb, "opt_step": opt, **native,
            "live_arrays": live, "native_live": native_live, "transient_rss": transient,
            "process_overhead": overhead, "d_model": args.memory_d_model, "layers": args.memory_layers}
     if rt:

@@ -229,6 +229,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
 
   add_target(targets, "jaxodc_odc_gather", "cpu", odc::OdcGatherCpu);
   add_target(targets, "jaxodc_odc_gather_into", "cpu", odc::OdcGatherIntoCpu);
+  add_target(targets, "jaxodc_odc_gather_pieces", "cpu", odc::OdcGatherPiecesCpu);
   add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
   add_target(targets, "jaxodc_odc_scatter_range", "cpu", odc::OdcScatterRangeCpu);
 #ifdef JAXODC_WITH_CUDA

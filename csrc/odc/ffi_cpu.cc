@@ -23,6 +23,36 @@ ffi::Error GatherIntoCpuImpl(ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer loca
   return GatherCpuImpl(local_shard, version, out, runtime, unit);
 }
 
+// Reads the unit from every owner straight into one output per piece (elements [offsets[i],
+// offsets[i] + size of output i)): the unit is never whole in XLA's memory, and no slice of it is
+// copied out of a whole one.
+ffi::Error GatherPiecesCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version, ffi::RemainingRets outs,
+                               int64_t runtime, int64_t unit, ffi::Span<const int64_t> offsets) {
+  if (outs.size() != offsets.size() || outs.size() == 0)
+    return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": " + std::to_string(outs.size()) +
+                   " outputs for " + std::to_string(offsets.size()) + " offsets");
+  std::vector<int64_t> offs(offsets.begin(), offsets.end()), counts;
+  std::vector<void*> ptrs;
+  ffi::DataType dtype = ffi::DataType::F32;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return out.error();
+    if (i > 0 && (*out)->element_type() != dtype)
+      return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": outputs of different dtypes");
+    dtype = (*out)->element_type();
+    counts.push_back(static_cast<int64_t>((*out)->element_count()));
+    ptrs.push_back((*out)->untyped_data());
+  }
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_call("odc.gather_pieces", runtime, unit, local_shard.element_type(), local_shard.element_count(),
+                            dtype, -1, &rt, &type);
+      err.failure())
+    return err;
+  const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
+  return run_guarded([&] { rt->gather_pieces(static_cast<int>(unit), v, offs, counts, ptrs, type); });
+}
+
 // Pushes each owner's slice of `grad` into its accumulator.
 ffi::Error ScatterCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, ffi::Buffer<ffi::S32> version,
                           ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime, int64_t unit) {
@@ -58,6 +88,14 @@ ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl, bind_gather(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl, bind_gather_into(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCpu, GatherPiecesCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("runtime")
+                                  .Attr<int64_t>("unit")
+                                  .Attr<ffi::Span<const int64_t>>("offsets"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl, bind_scatter(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCpu, ScatterRangeCpuImpl,
                               bind_scatter(ffi::Ffi::Bind()).Attr<int64_t>("offset"));

@@ -21,6 +21,13 @@ namespace jaxodc::odc {
 
 class Runtime;
 
+// `count` elements of a gathered piece go to `dst`; a null `dst` skips them (padding no output
+// wants).
+struct Segment {
+  char* dst;
+  int64_t count;
+};
+
 class Peer {
  public:
   Peer(const Core& core, int rank) : core_(core), rank_(rank) {}
@@ -36,9 +43,10 @@ class Peer {
 
   // gather, in two steps so that requests to remote owners travel while local pieces are copied:
   // request_piece asks for this owner's piece of `unit` at version >= `version`; read_piece then
-  // stores it at its place in `unit_out` (the whole unit, elements of `type`).
+  // stores it, in order, into `out`: segments covering exactly the piece's elements (of `type`).
   virtual Pending request_piece(int /*unit*/, int64_t /*version*/, ElemType /*type*/) { return {}; }
-  virtual void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) = 0;
+  virtual void read_piece(int unit, int64_t version, const std::vector<Segment>& out, ElemType type,
+                          std::vector<float>& staging) = 0;
   // Adds `count` elements of `src` into this owner's shard of `unit`, from element `offset` on.
   virtual void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
                     std::vector<float>& staging) = 0;
@@ -82,7 +90,8 @@ class Peer {
 class MappedPeer : public Peer {
  public:
   MappedPeer(const Core& core, int rank, SegmentHeader* seg) : Peer(core, rank), seg_(seg) {}
-  void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
+  void read_piece(int unit, int64_t version, const std::vector<Segment>& out, ElemType type,
+                  std::vector<float>& staging) override;
   void done(int64_t version) override;
   int64_t claim(int64_t version, int64_t count, bool steal) override;
   double scalar(int64_t seq, const std::string& what) override;
@@ -126,7 +135,8 @@ class TcpPeer : public Peer {
   TcpPeer(const Core& core, const PeerConfig& cfg);  // connects and checks the layout
   ~TcpPeer() override { close(); }
   Pending request_piece(int unit, int64_t version, ElemType type) override;
-  void read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>& staging) override;
+  void read_piece(int unit, int64_t version, const std::vector<Segment>& out, ElemType type,
+                  std::vector<float>& staging) override;
   void push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
             std::vector<float>& staging) override;
   void push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) override;

@@ -138,6 +138,12 @@ class Runtime {
   // Worker side. `out` / `grad` hold numel(unit) elements of `type` in host memory.
   void gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel,
               Route route = Route::kAll);
+  // gather into one buffer per piece: elements [offsets[i], offsets[i] + counts[i]) of the unit go
+  // to outs[i] (pieces sorted and disjoint; elements in no piece are not stored), so the whole
+  // unit never exists on this side.
+  void gather_pieces(int unit, int64_t version, const std::vector<int64_t>& offsets,
+                     const std::vector<int64_t>& counts, const std::vector<void*>& outs, ElemType type,
+                     Route route = Route::kAll);
   void scatter_accumulate(int unit, int64_t version, const void* grad, ElemType type,
                           int64_t grad_numel, Route route = Route::kAll);
   // The same for elements [offset, offset + n) of the flat unit only (e.g. one parameter of it):

@@ -7,7 +7,8 @@
 
 namespace jaxodc::odc {
 
-void MappedPeer::read_piece(int unit, int64_t version, char* unit_out, ElemType type, std::vector<float>&) {
+void MappedPeer::read_piece(int unit, int64_t version, const std::vector<Segment>& out, ElemType type,
+                            std::vector<float>&) {
   core_.wait_published(seg_, unit, version, this,
                        "waiting for " + name() + " to publish unit " + std::to_string(unit) + " version " +
                            std::to_string(version) + " (gather)");
@@ -16,7 +17,11 @@ void MappedPeer::read_piece(int unit, int64_t version, char* unit_out, ElemType 
   if (n == 0) return;
   UnitEntry* e = seg_->unit(unit);
   const int64_t seen = e->version.load(std::memory_order_acquire);
-  store_from_f32(unit_out + lo * elem_size(type), type, seg_->master(unit), n);
+  const float* src = seg_->master(unit);
+  for (const Segment& s : out) {
+    if (s.dst != nullptr) store_from_f32(s.dst, type, src, s.count);
+    src += s.count;
+  }
   if (e->version.load(std::memory_order_acquire) != seen)
     throw Error("gather: " + name() + " republished unit " + std::to_string(unit) + " while " + core_.who() +
                 " was reading version " + std::to_string(seen));
@@ -40,13 +45,19 @@ SelfPeer::SelfPeer(const Core& core, Runtime& rt) : MappedPeer(core, core.rank, 
 
 void SelfPeer::push(int unit, int64_t version, int64_t offset, const char* src, ElemType type, int64_t count,
                     std::vector<float>& staging) {
-  const float* data = reinterpret_cast<const float*>(src);
-  if (type != ElemType::kF32) {
-    staging.resize(static_cast<size_t>(count));
-    load_to_f32(staging.data(), src, type, count);
-    data = staging.data();
+  if (type == ElemType::kF32) {
+    rt_.accumulate(unit, version, rank_, reinterpret_cast<const float*>(src), count, offset);
+    return;
   }
-  rt_.accumulate(unit, version, rank_, data, count, offset);
+  // Converted in slot-sized chunks, as a push to a peer travels: the staging stays a slot, not a
+  // parameter's slice.
+  const int64_t step = std::max<int64_t>(core_.layout.slot_elems, 1);
+  staging.resize(static_cast<size_t>(std::min(step, count)));
+  for (int64_t at = 0; at < count; at += step) {
+    const int64_t m = std::min(step, count - at);
+    load_to_f32(staging.data(), src + at * elem_size(type), type, m);
+    rt_.accumulate(unit, version, rank_, staging.data(), m, offset + at);
+  }
 }
 
 void SelfPeer::gather_device(int unit, int64_t version, float* out, CUstream_st* stream) {

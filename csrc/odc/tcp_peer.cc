@@ -40,7 +40,7 @@ Peer::Pending TcpPeer::request_piece(int unit, int64_t version, ElemType type) {
   return held;
 }
 
-void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::vector<float>&) {
+void TcpPeer::read_piece(int unit, int64_t, const std::vector<Segment>& out, ElemType type, std::vector<float>&) {
   // The owner waits for the version; the reply may take up to its timeout.
   // The reply's latency is applied once its data is in (below).
   const WireHeader r = recv_reply(fd_, name(), core_.timeout_s + 5,
@@ -50,7 +50,16 @@ void TcpPeer::read_piece(int unit, int64_t, char* unit_out, ElemType type, std::
   if (r.count != n) throw PeerError("gather: " + name() + " sent a wrong shard size");
   if (n == 0) return tcp::arrive_after(r.sent_at, sizeof(r), core_.link_rate, core_.link_latency);
   const size_t bytes = static_cast<size_t>(n) * elem_size(type);
-  tcp::recv_within(fd_, unit_out + lo * elem_size(type), bytes, core_.timeout_s, name());
+  std::vector<char> skipped;
+  for (const Segment& s : out) {
+    const size_t part = static_cast<size_t>(s.count) * elem_size(type);
+    char* to = s.dst;
+    if (to == nullptr) {  // still read off the stream
+      skipped.resize(part);
+      to = skipped.data();
+    }
+    tcp::recv_within(fd_, to, part, core_.timeout_s, name());
+  }
   tcp::arrive_after(r.sent_at, static_cast<double>(sizeof(r) + bytes), core_.link_rate, core_.link_latency);
 }
 

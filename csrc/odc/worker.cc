@@ -29,7 +29,40 @@ bool Runtime::has_host_owners() const {
 
 void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_t out_numel, Route route) {
   check_buffer("gather", unit, core_->layout.numels[unit], "output", out_numel);
-  char* dst = static_cast<char*>(out);
+  gather_pieces(unit, version, {0}, {out_numel}, {out}, type, route);
+}
+
+void Runtime::gather_pieces(int unit, int64_t version, const std::vector<int64_t>& offsets,
+                            const std::vector<int64_t>& counts, const std::vector<void*>& outs, ElemType type,
+                            Route route) {
+  check_open("gather");
+  check_unit(unit, "gather");
+  const int64_t numel = core_->layout.numels[unit];
+  if (offsets.size() != counts.size() || offsets.size() != outs.size())
+    throw Error("gather: " + core_->who() + ": unit " + std::to_string(unit) + ": " + std::to_string(offsets.size()) +
+                " offsets, " + std::to_string(counts.size()) + " sizes and " + std::to_string(outs.size()) + " outputs");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    if (offsets[i] < (i ? offsets[i - 1] + counts[i - 1] : 0) || counts[i] < 0 || offsets[i] + counts[i] > numel)
+      throw Error("gather: " + core_->who() + ": piece [" + std::to_string(offsets[i]) + ", " +
+                  std::to_string(offsets[i] + counts[i]) + ") of unit " + std::to_string(unit) + " (" +
+                  std::to_string(numel) + " elements) is out of order, overlaps the one before or lies outside");
+  const size_t esize = elem_size(type);
+  // Each owner's piece [lo, lo + n) cut along the outputs: the parts in a piece go there, the rest is skipped.
+  auto segments = [&](int owner) {
+    int64_t lo, n;
+    piece(unit, owner, &lo, &n);
+    std::vector<Segment> out;
+    int64_t at = lo;
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      const int64_t a = std::max(at, offsets[i]), b = std::min(lo + n, offsets[i] + counts[i]);
+      if (a >= b) continue;
+      if (a > at) out.push_back({nullptr, a - at});
+      out.push_back({static_cast<char*>(outs[i]) + (a - offsets[i]) * esize, b - a});
+      at = b;
+    }
+    if (at < lo + n) out.push_back({nullptr, lo + n - at});
+    return out;
+  };
   std::vector<float> staging;
   // Requests to remote owners first; the local pieces are copied while they travel, in rank order
   // on every rank (ranks gathering at once then read the same owner's memory together).
@@ -40,9 +73,9 @@ void Runtime::gather(int unit, int64_t version, void* out, ElemType type, int64_
     if (pending.owns_lock()) remote.emplace_back(p, std::move(pending));
     else local.push_back(p);
   }
-  for (Peer* p : local) p->read_piece(unit, version, dst, type, staging);
+  for (Peer* p : local) p->read_piece(unit, version, segments(p->rank()), type, staging);
   for (auto& [p, pending] : remote) {
-    p->read_piece(unit, version, dst, type, staging);
+    p->read_piece(unit, version, segments(p->rank()), type, staging);
     pending.unlock();
   }
 }

@@ -17,7 +17,9 @@ import numpy as np
 from jaxodc import _native
 from jaxodc.ops._common import native_handle, new_token
 
-_native.register_targets()
+# An extension built before the one-buffer-per-piece gather lacks it: pieces are then cut from the
+# whole unit (same values, a unit's worth more memory).
+_GATHER_PIECES = "jaxodc_odc_gather_pieces" in _native.register_targets()
 
 
 def _reject_vmap(op: str, unit: int, *args) -> None:
@@ -74,9 +76,18 @@ def _cut(full, pieces):
     return tuple(full[o:o + n] for o, n in pieces)
 
 
+def _in_order(pieces) -> bool:
+    return all(o >= (pieces[i - 1][0] + pieces[i - 1][1] if i else 0) for i, (o, _) in enumerate(pieces))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _gather_pieces(local_shard, version, runtime, unit, numel, pieces, dtype):
-    return _cut(_gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype), pieces)
+    if not (_GATHER_PIECES and _in_order(pieces)):  # overlapping or unsorted pieces: cut from the whole unit
+        return _cut(_gather_call(local_shard, version, runtime=runtime, unit=unit, numel=numel, dtype=dtype), pieces)
+    # Straight into one buffer per piece: slicing a whole gathered unit makes XLA copy every
+    # slice at a non-zero offset, a second unit's worth of memory beside the unit.
+    return tuple(jax.ffi.ffi_call("jaxodc_odc_gather_pieces", tuple(jax.ShapeDtypeStruct((n,), dtype) for _, n in pieces))(
+        local_shard, version, runtime=runtime, unit=np.int64(unit), offsets=np.array([o for o, _ in pieces], np.int64)))
 
 
 def _gather_pieces_fwd(local_shard, version, runtime, unit, numel, pieces, dtype):

@@ -20,6 +20,7 @@ from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_s
                                plan_global_tokens)
 from jaxodc.train.program import compute_dtype_of, program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
+from jaxodc.train.unitwise import UnitwiseOptimizer
 
 
 class OdcRuntime(Protocol):
@@ -176,6 +177,12 @@ class OdcTrainer(ShardedTrainer):
             # optimizer phase holds no second copy of the shards.
             self._opt_step = jax.jit(lambda s, st, g, v: optimizer_updates(optimizer, s, st, g, reduce_fn(v)),
                                      donate_argnums=(1,))
+        # One unit's updates alive at a time where the transformation allows it exactly
+        # (train.unitwise); otherwise the whole-tree step above.
+        self.unitwise = None
+        if self._masters is not None:
+            uw = UnitwiseOptimizer(optimizer, shards, self.opt_state, reduce_fn)
+            self.unitwise = uw if uw.separable else None
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
@@ -263,6 +270,12 @@ class OdcTrainer(ShardedTrainer):
         """The new shards. With the runtime's masters as shards they are the masters themselves,
         updated in place (every rank's pushes of this version have landed, so no gather reads
         them until the next version is announced)."""
+        if self.unitwise is not None:
+            def apply(name, upd):  # optax.apply_updates, in place: shard + update, in fp32
+                master = self._masters[self.layout[name].index]
+                np.add(master, np.asarray(upd), out=master, casting="same_kind")
+            self.opt_state = self.unitwise.step(self.shards, self.opt_state, grads, ver, apply)
+            return self.shards
         out, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
         jax.block_until_ready((out, self.opt_state))
         if self._masters is None:

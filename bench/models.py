@@ -1,0 +1,390 @@
+"""`jaxodc bench models`: every example model (models/) trained by both sharded trainers, in fp32
+and bf16, against single-process training of the same model on the same data.
+
+    python -m jaxodc bench models --json bench/out/models.json
+
+One record per (model, comm, precision, ranks): the final loss of single-process
+`jax.value_and_grad` training (fp32, jaxodc.train.reference) and of the sharded run, the largest
+parameter difference after the steps, the accounted peak memory per rank against the bound
+S/W + 3 x largest unit + activations (bench/train_memory.accounted), and the largest number of
+gathered units alive at once in the compiled microbatch step (`gathered_peak_units`). A new example
+model is one entry in MODELS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxodc.bench.common import print_table, write_records
+from jaxodc.launch.launcher import launch_ranks, pin_one_core
+
+MiB = 1 << 20
+LOSS_RTOL = 1e-4  # bar: fp32 sharded losses equal single-process training within this, relative
+SLOT_DIVISOR = 8
+
+
+@dataclass
+class Case:
+    """An example model ready to train. `model`: a unit-staged model or a loss_fn(params, batch)
+    returning the summed loss; `batch(step, rank, j, size)`: microbatch j of a rank at a step (`size`
+    tokens or samples; size 1 gives the smallest batch, for the activation measurement);
+    `count(batch)`: what its loss is summed over."""
+
+    model: Any
+    params: Any
+    batch: Callable[..., dict]
+    count: Callable[[dict], float]
+    size: int
+    policy: dict = field(default_factory=dict)
+
+    def loss_sum(self, params, batch):
+        return self.model.loss_sum(params, batch) if hasattr(self.model, "loss_sum") else self.model(params, batch)
+
+
+def _tokens(vocab: int):
+    """Packed token microbatches (balance.packing): two samples per row, random tokens."""
+    from jaxodc.balance.packing import pack
+
+    def batch(step, rank, j, size):
+        rs = np.random.RandomState([step, rank, j])
+        first = max(1, (2 * size) // 3)
+        return pack([rs.randint(1, vocab, n).astype(np.int32) for n in (first, size - first) if n], size).as_dict()
+    return batch
+
+
+def _features(d_in: int, classes: int):
+    def batch(step, rank, j, size):
+        rs = np.random.RandomState([step, rank, j, 1])
+        return {"x": rs.standard_normal((size, d_in)).astype(np.float32),
+                "y": rs.randint(0, classes, size).astype(np.int32), "mask": np.ones(size, np.float32)}
+    return batch
+
+
+def _loss_tokens(b):
+    return float(np.sum(b["loss_mask"]))
+
+
+def _samples(b):
+    return float(np.sum(b["mask"]))
+
+
+def mlp() -> Case:
+    import jax
+    from jaxodc.models.mlp import MLP
+    model = MLP((16, 64, 64, 10))
+    return Case(model, model.init(jax.random.PRNGKey(0)), _features(16, 10), _samples, 8)
+
+
+def lm() -> Case:
+    import jax
+    from jaxodc.models.lm import LM, LMConfig
+    model = LM(LMConfig(vocab=256, d_model=64, n_layers=2, attention="dense"))
+    return Case(model, model.init(jax.random.PRNGKey(0)), _tokens(256), _loss_tokens, 32)
+
+
+def llama() -> Case:
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.models.llama import Llama, LlamaConfig
+    from jaxodc.train.adapters import linen_loss_fn
+    cfg = LlamaConfig(vocab=64, d_model=32, n_layers=3, ffn=64, scan_axis=1, tie_embeddings=True)
+    batch = _tokens(cfg.vocab)
+    params = jax.jit(lambda k: Llama(cfg).init(k, batch(0, 0, 0, 16)))(jax.random.key(0))
+    return Case(linen_loss_fn(Llama(cfg), lambda apply, b: jnp.sum(apply(b))), params, batch, _loss_tokens, 16)
+
+
+def nnx_mlp() -> Case:
+    import jax.numpy as jnp
+    from flax import nnx
+    from jaxodc.models.nnx_mlp import Classifier
+    from jaxodc.train.adapters import nnx_loss_fn
+    loss_fn, tree = nnx_loss_fn(Classifier(rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b)))
+    return Case(loss_fn, tree, _features(8, 5), _samples, 4, {"frozen": ("state/*",)})
+
+
+# name -> Case builder. models/cnn.py (BatchNorm: mutable batch statistics) joins as one line,
+# `"cnn": cnn,`, once the trainers take a loss with mutable state.
+MODELS: dict[str, Callable[[], Case]] = {"mlp": mlp, "lm": lm, "llama": llama, "nnx_mlp": nnx_mlp}
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="jaxodc bench models", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    p.add_argument("--comms", default="odc,collective")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="minibatches")
+    p.add_argument("--microbatches", type=int, default=2, help="per rank per minibatch")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--comm", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _list(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _optimizer(lr, clip):
+    """Global-norm clipping + Adam: `clip` is jaxodc's (sharded) or optax's (single process)."""
+    import optax
+    return optax.chain(clip(1.0), optax.adam(lr))
+
+
+def main(argv: list[str]) -> int:
+    args = _args(argv)
+    unknown = sorted(set(_list(args.models)) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"jaxodc bench models: unknown models {unknown}; known: {sorted(MODELS)}")
+    if args.worker:
+        pin_one_core(int(os.environ.get("JAXODC_LOCAL_RANK", "0")))  # one core per rank, before jax
+        return worker(args)
+    records = []
+    for comm in _list(args.comms):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, f"models_{comm}.json")
+            fwd = ["--models", args.models, "--precisions", args.precisions, "--steps", str(args.steps),
+                   "--microbatches", str(args.microbatches), "--lr", str(args.lr)]
+            launch_ranks(args.ranks, "jaxodc.bench.models", ["--worker", "--comm", comm, "--out", out] + fwd,
+                         timeout_s=args.timeout)
+            with open(out) as f:
+                records += json.load(f)
+    records.sort(key=lambda r: (list(MODELS).index(r["model"]), r["comm"], r["precision"]))
+    bars = evaluate_bars(records)
+    write_records(args.json, records + [dict(b, kind="bar") for b in bars])
+    print_report(records, bars)
+    return 0
+
+
+# ---- gathered units alive at once, from the compiled step's schedule ----
+
+# Ops that forward or copy a value (a view, a reshape, a cast): their results still hold the gathered
+# unit. So does an elementwise loop fusion computed from the unit alone (a slice, a cast); one that
+# also reads an activation makes something else, as do dots and reductions.
+_HOLDERS = {"get-tuple-element", "bitcast", "copy", "convert", "reshape", "transpose", "slice", "tuple",
+            "opt-barrier", "all-gather-done", "copy-start", "copy-done", "dynamic-slice", "concatenate"}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+# ODC's gathers (whole unit, into a buffer, one buffer per parameter); XLA's all-gathers by opcode.
+_ODC_GATHER = re.compile(r'custom_call_target="jaxodc_odc_gather(_pieces|_into)?"')
+_ALL_GATHER = ("all-gather", "all-gather-start")
+
+
+def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
+    """(name, type, opcode, operand names, attributes) of the ENTRY computation's instructions, in
+    the scheduled order of the compiled module."""
+    lines = hlo.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
+    out = []
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        depth, k = 0, 0
+        while k < len(rest) and not (depth == 0 and rest[k] == " "):  # the type, tuples included
+            depth += (rest[k] == "(") - (rest[k] == ")")
+            k += 1
+        typ, rest = rest[:k], rest[k:].lstrip()
+        op, _, args = rest.partition("(")
+        depth, k = 1, 0
+        while k < len(args) and depth:
+            depth += (args[k] == "(") - (args[k] == ")")
+            k += 1
+        out.append((m.group(1), typ, op.strip(), re.findall(r"%([\w.\-]+)", args[:k]), args[k:]))
+    return out
+
+
+def gathered_peak_units(hlo: str) -> tuple[int, int]:
+    """(largest number of gathers whose unit is alive at once, number of gathers) in the compiled
+    step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call or
+    an all-gather) is alive from its instruction to the last use of any value still holding its
+    unit (_HOLDERS). XLA assigns buffers by this schedule, so this counts the gathered units the
+    step's memory holds at once, whatever the model code intended."""
+    instrs = _parse_entry(hlo)
+    types = {name: typ for name, typ, *_ in instrs}
+    scalar = lambda a: re.fullmatch(r"\w+\[\](\{\})?", types.get(a, "")) is not None  # noqa: E731
+    holds: dict[str, set[int]] = {}  # value -> the gathers whose unit it holds
+    born, last = [], []
+    for i, (name, _, op, operands, attrs) in enumerate(instrs):
+        for a in operands:
+            for g in holds.get(a, ()):
+                last[g] = i
+        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER:
+            holds[name] = {len(born)}
+            born.append(i)
+            last.append(i)
+            continue
+        src = set().union(*(holds.get(a, set()) for a in operands)) if operands else set()
+        pure = all(a in holds or scalar(a) for a in operands)
+        if src and (op in ("tuple", "opt-barrier", "get-tuple-element") or
+                    (pure and (op in _HOLDERS or (op == "fusion" and "kind=kLoop" in attrs)))):
+            holds[name] = src
+    total = sum(1 for line in hlo.splitlines()
+                if _ODC_GATHER.search(line) or re.search(r"= \S+ (%s)\(" % "|".join(_ALL_GATHER), line))
+    if total != len(born):
+        raise RuntimeError(f"{total - len(born)} of {total} gathers sit outside the step's ENTRY computation "
+                           "(inside a loop or call); their lifetimes are not read")
+    peak = max((sum(b <= i <= l for b, l in zip(born, last)) for i in range(len(instrs))), default=0)
+    return peak, len(born)
+
+
+# ---- the ranks ----
+
+def _reference(case: Case, steps: int, counts: list[int], lr: float):
+    """Single-process training (jaxodc.train.reference) of the float leaves on every rank's
+    microbatches of each step; other leaves (int, PRNG keys) stay. Returns (last loss, params)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jaxodc.train.reference import ReferenceTrainer
+    leaves, tree = jax.tree_util.tree_flatten(case.params)
+    trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    class Floats:  # the loss over the trained leaves only
+        @staticmethod
+        def loss_sum(floats, batch):
+            full = list(leaves)
+            for i, x in zip(trained, floats):
+                full[i] = x
+            return case.loss_sum(jax.tree_util.tree_unflatten(tree, full), batch)
+
+    ref = ReferenceTrainer(Floats, _optimizer(lr, optax.clip_by_global_norm), [leaves[i] for i in trained])
+    loss = None
+    for step in range(steps):
+        mbs = [case.batch(step, r, j, case.size) for r in range(len(counts)) for j in range(counts[r])]
+        loss = ref.step([jax.tree_util.tree_map(jnp.asarray, b) for b in mbs], sum(case.count(b) for b in mbs))
+    full = list(leaves)
+    for i, x in zip(trained, ref.params):
+        full[i] = x
+    return loss, jax.tree_util.tree_unflatten(tree, full)
+
+
+def _max_diff(a, b) -> float:
+    import jax
+    import jax.numpy as jnp
+    diffs = [float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+             if jnp.issubdtype(jnp.asarray(y).dtype, jnp.floating) and np.size(y)]
+    return max(diffs, default=0.0)
+
+
+def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
+    """One sharded run of `case`; rank 0's record (the ranks' peaks: the largest)."""
+    import jax
+    import jax.numpy as jnp
+    import jaxodc
+    from jaxodc.bench.train_memory import _nbytes, accounted, program_activations
+    from jaxodc.optim.clipping import clip_by_global_norm
+    from jaxodc.train.program import compute_dtype_of, program_of
+
+    W, counts = ctx.world, [args.microbatches] * ctx.world
+    example = case.batch(0, 0, 0, case.size)
+    optimizer = _optimizer(args.lr, clip_by_global_norm)
+    step = jaxodc.sharded_step(case.model, optimizer, comm=comm, unit_policy=case.policy or None, precision=precision)
+    # ODC's receive slots at 1/SLOT_DIVISOR of the largest shard, as `bench train --memory` sizes
+    # them (1 MiB of a 13.5 MiB shard): pushes go in chunks, the slots stay small beside the bound.
+    shard = step.layout(case.params, W, example).largest // W
+    kw = {"slot_elems": max(1, shard // SLOT_DIVISOR)} if comm == "odc" else {}
+    tr = step.init(case.params, ctx=ctx, example_batch=example, **kw)
+    loss = None
+    for step in range(args.steps):
+        total = sum(case.count(case.batch(step, r, j, case.size)) for r in range(W) for j in range(counts[r]))
+        res = tr.train_minibatch([case.batch(step, ctx.rank, j, case.size) for j in range(counts[ctx.rank])], total)
+        loss = res.loss
+    acc = accounted(tr, example)
+    hlo_peak, gathers = gathered_peak_units(acc.pop("mb_compiled").as_text())
+    one = program_of(case.model, case.params, 1, example_batch=example, **case.policy)  # identity gathers
+    act = program_activations(one, example, case.batch(0, 0, 0, 1), compute_dtype_of(precision))
+    floats = [x for x in jax.tree_util.tree_leaves(case.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    S = _nbytes(floats) + _nbytes(jax.eval_shape(optimizer.init, floats))  # trained parameters + Adam, unsharded
+    unit = tr.layout.largest * 4
+    shards = tr.local_shards()
+    got = tr.allgather_obj({"shards": {k: v.tobytes() for k, v in shards.items()}, "peak": acc["peak_xla"],
+                            "gathered": hlo_peak})
+    full = tr.program.unshard([{k: np.frombuffer(v, np.float32) for k, v in d["shards"].items()} for d in got])
+    tr.close()
+    return {"model": name, "comm": comm, "precision": precision, "ranks": W, "steps": args.steps,
+            "loss_sharded": float(loss), "peak_bytes": max(d["peak"] for d in got),
+            "bound_bytes": S / W + 3 * unit + act["activations"],
+            "gathered_peak_units": max(d["gathered"] for d in got), "gathers": gathers,
+            "units": len(tr.layout.units), "largest_unit": unit, "activations": act["activations"], "S": S,
+            "mb_phase": acc["mb_phase"], "opt_phase": acc["opt_phase"], **acc["native"],
+            "opt_unitwise": getattr(tr, "unitwise", None) is not None, "_full": full}
+
+
+def worker(args) -> int:
+    from jaxodc.launch.context import init_from_env, init_jax_distributed, shutdown
+    ctx = init_from_env()
+    if args.comm == "collective":
+        init_jax_distributed(ctx)
+    records, refs = [], {}
+    for name in _list(args.models):
+        case = MODELS[name]()
+        for precision in _list(args.precisions):
+            rec = _run(ctx, name, case, args.comm, precision, args)
+            full = rec.pop("_full")
+            if ctx.rank == 0:
+                if name not in refs:
+                    refs[name] = _reference(case, args.steps, [args.microbatches] * ctx.world, args.lr)
+                rec["loss_single"], rec["max_param_diff"] = float(refs[name][0]), _max_diff(full, refs[name][1])
+                records.append(rec)
+    if ctx.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(records, f)
+    shutdown(ctx)
+    return 0
+
+
+# ---- bars and report ----
+
+def evaluate_bars(records: list[dict]) -> list[dict]:
+    """The three bars, one row per record they apply to: value, limit, ratio, met."""
+    bars = []
+    for r in records:
+        who = {k: r[k] for k in ("model", "comm", "precision", "ranks")}
+        if r["precision"] == "fp32":
+            rel = abs(r["loss_sharded"] - r["loss_single"]) / max(abs(r["loss_single"]), 1e-30)
+            bars.append({"bar": "fp32 loss = single-process (relative)", **who, "value": rel, "limit": LOSS_RTOL})
+        if r["precision"] == "bf16" and r["ranks"] == 2:
+            bars.append({"bar": "bf16 peak <= bound (bytes)", **who, "value": r["peak_bytes"], "limit": r["bound_bytes"]})
+        bars.append({"bar": "gathered units alive <= 2", **who, "value": r["gathered_peak_units"], "limit": 2})
+    for b in bars:
+        b["ratio"] = b["value"] / b["limit"]
+        b["met"] = bool(b["value"] <= b["limit"])
+    return bars
+
+
+def print_report(records: list[dict], bars: list[dict]) -> None:
+    tab = [{**{k: r[k] for k in ("model", "comm", "precision", "ranks", "steps", "loss_single", "loss_sharded",
+                                  "max_param_diff", "gathered_peak_units", "units")},
+            "peak_MiB": r["peak_bytes"] / MiB, "bound_MiB": r["bound_bytes"] / MiB,
+            "peak/bound": r["peak_bytes"] / r["bound_bytes"]} for r in records]
+    print("every example model, sharded vs single-process training (peak: accounted per rank, bound = S/W + 3 x "
+          "largest unit + activations)")
+    print_table(tab, ["model", "comm", "precision", "ranks", "steps", "loss_single", "loss_sharded", "max_param_diff",
+                      "peak_MiB", "bound_MiB", "peak/bound", "gathered_peak_units", "units"])
+    print()
+    for title in dict.fromkeys(b["bar"] for b in bars):
+        rows = [b for b in bars if b["bar"] == title]
+        met = all(b["met"] for b in rows)
+        worst = max(rows, key=lambda b: b["ratio"])
+        print(f"bar {title}: worst {worst['model']}/{worst['comm']}/{worst['precision']} {worst['value']:.4g} vs "
+              f"{worst['limit']:.4g} (ratio {worst['ratio']:.3f}) -> {'met' if met else 'NOT met'}"
+              + ("" if met else f" ({sum(not b['met'] for b in rows)} of {len(rows)} records over)"))
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))
