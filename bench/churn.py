@@ -14,7 +14,7 @@ hashes for the same revision, or if a peer dies of anything but SIGKILL.
 ``python bench/churn.py worker MASTER SECRET NAME OUTFILE`` is one peer.
 
 Group mode (``--groups``): the peers are whole sites of 2 ODC ranks training the small LM, joined by
-DiLoCo across sites (`jaxodc train --groups ... --join`, jaxodc.train.sites). Every 4-12 s a rank
+DiLoCo across sites (`jaxodc train --groups ... --join`, jaxodc.optim.sites). Every 4-12 s a rank
 of a random site is SIGKILLed (its launcher ends the site) or a new site is started, which joins
 the running job. It fails when two sites report different shared-state hashes for one ring and
 outer step, and reports the longest gap without an inner minibatch completed anywhere.

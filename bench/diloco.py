@@ -1,4 +1,4 @@
-"""`jaxodc bench diloco`: one job across 2 sites of 2 ODC ranks (jaxodc.train.sites) on the small
+"""`jaxodc bench diloco`: one job across 2 sites of 2 ODC ranks (jaxodc.optim.sites) on the small
 LM, the same token budget per mode, the links between sites emulated (--wan-mbps / --wan-ms):
 
 - ddp: hybrid sharding, every minibatch's gradient averaged across the sites;
@@ -43,24 +43,25 @@ def _args(argv):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3, help="inner Adam learning rate")
-    p.add_argument("--eval-samples", type=int, default=64)
+    p.add_argument("--quantize", default="none", choices=("none", "uint8", "uint16"),
+                   help="the DiLoCo modes' pseudo-gradient transfer format")
     p.add_argument("--timeout", type=float, default=1200.0)
     return p.parse_args(argv)
 
 
 def train_argv(a, mode: str, json_path: str) -> list[str]:
     steps = a.H * a.outer_steps
-    across = ["--hybrid"] if mode == "ddp" else ["--diloco", str(a.H)] + (["--async"] if mode == "async_diloco" else [])
+    across = ["--hybrid"] if mode == "ddp" else (["--diloco", str(a.H), "--quantize", a.quantize]
+                                                 + (["--async"] if mode == "async_diloco" else []))
     return ["--groups", str(a.groups), "--ranks", str(a.ranks), *across, "--steps", str(steps),
             "--minibatch", str(a.minibatch), "--max-tokens", str(a.max_tokens), "--d-model", str(a.d_model),
             "--layers", str(a.layers), "--lr", str(a.lr), "--wan-mbps", str(a.wan_mbps), "--wan-ms", str(a.wan_ms),
             "--timeout", str(a.timeout), "--json", json_path]
 
 
-def held_out_loss(targs, shards: list[dict]) -> float:
+def held_out_loss(targs, shards: list[dict], n: int = 64) -> float:
     """Mean token loss of θ_global (rank shards of one site) on samples no site trained on."""
     import jax
-    import jax.numpy as jnp
 
     from jaxodc.balance.packing import loss_tokens, pack
     from jaxodc.cli.train import model_of
@@ -69,10 +70,10 @@ def held_out_loss(targs, shards: list[dict]) -> float:
     model, params = model_of(targs)
     program = program_of(model, params, targs.ranks)
     full = program.unshard([{k: np.asarray(v, np.float32) for k, v in s.items()} for s in shards])
-    held = synthetic_text("longalign", 64, targs.max_tokens, seed=12345, min_len=8)
+    held = synthetic_text("longalign", n, targs.max_tokens, seed=12345, min_len=8).tokens
     loss = jax.jit(model.loss_sum)
-    total = sum(float(loss(full, pack([t], targs.max_tokens).as_dict())) for t in held.tokens[:64])
-    return total / loss_tokens([len(t) for t in held.tokens[:64]])
+    total = sum(float(loss(full, pack([t], targs.max_tokens).as_dict())) for t in held)
+    return total / loss_tokens([len(t) for t in held])
 
 
 def run_mode(a, mode: str, workdir: str) -> tuple[dict, list]:
@@ -95,7 +96,8 @@ def run_mode(a, mode: str, workdir: str) -> tuple[dict, list]:
     # site's inner minibatches: what is left over is what communication did not hide.
     steps = sorted({r["outer_step"] for r in recs if r["outer_step"] > 0})  # step 0 compiles
     slowest = lambda key, k: max(r[key] for r in recs if r["outer_step"] == k)
-    rec = {"mode": mode, "H": 1 if mode == "ddp" else a.H, "groups": a.groups, "ranks": a.ranks,
+    rec = {"mode": mode, "H": 1 if mode == "ddp" else a.H, "quantize": None if mode == "ddp" or a.quantize == "none"
+           else a.quantize, "groups": a.groups, "ranks": a.ranks,
            "wan_mbps": a.wan_mbps, "tokens": tokens,
            "bytes_per_token": sum(sum(f["bytes_sent"]) for f in final) / tokens,
            "final_loss": held_out_loss(targs, final[0]["shards"]),
@@ -158,7 +160,7 @@ def main(argv: list[str]) -> int:
             rec, curves[mode] = run_mode(a, mode, work)
             records.append(rec)
     print()
-    print_table(records, ["mode", "H", "groups", "ranks", "wan_mbps", "tokens", "bytes_per_token", "final_loss",
+    print_table(records, ["mode", "H", "quantize", "groups", "ranks", "wan_mbps", "tokens", "bytes_per_token", "final_loss",
                           "outer_step_s", "compute_s"])
     print()
     for name, value, bar, met in bars(records):

@@ -1,4 +1,4 @@
-"""One job across sites (jaxodc.train.sites through `jaxodc train --groups`): 2 ODC groups of 2
+"""One job across sites (jaxodc.optim.sites through `jaxodc train --groups`): 2 ODC groups of 2
 ranks each, every element of the trained parameters against single-process references
 (tests/support/sites_reference.py); a site killed during the outer all-reduce and a site joining
 mid-run (every ring's survivors bit-identical)."""
@@ -111,3 +111,23 @@ def test_site_killed_in_the_outer_all_reduce_and_a_site_joining(tmp_path):
     survivors = [r for s in (0, 1) for r in sites.read_records(out, s)]
     assert any(r["retries"] > 0 for r in survivors), "no survivor re-ran an outer all-reduce"
     assert any(r["sites"] == 3 for r in survivors) and "sites 4 -> 3" in log
+
+
+@pytest.mark.slow
+def test_bench_diloco_records(tmp_path):
+    """`bench diloco` on a tiny budget: one record per mode with every field, and its bars evaluated."""
+    from jaxodc.bench import diloco
+    path = str(tmp_path / "d.json")
+    assert diloco.main(["--H", "2", "--outer-steps", "2", "--minibatch", "2", "--max-tokens", "96", "--d-model", "32",
+                        "--layers", "1", "--json", path, "--png", str(tmp_path / "d.png")]) == 0
+    with open(path) as f:
+        recs = json.load(f)
+    assert [r["mode"] for r in recs] == ["ddp", "diloco", "async_diloco"]
+    for r in recs:
+        assert {"mode", "H", "groups", "ranks", "wan_mbps", "tokens", "bytes_per_token", "final_loss", "outer_step_s",
+                "compute_s"} <= set(r)
+        assert r["tokens"] > 0 and r["bytes_per_token"] > 0 and np.isfinite(r["final_loss"])
+    assert recs[0]["tokens"] == recs[1]["tokens"] == recs[2]["tokens"]          # the same token budget
+    # H = 2: the pseudo-gradient every 2 minibatches carries half of ddp's per-minibatch bytes
+    assert recs[0]["bytes_per_token"] / recs[1]["bytes_per_token"] == pytest.approx(2.0, rel=0.05)
+    assert len(diloco.bars(recs)) == 3 and os.path.getsize(tmp_path / "d.png") > 0

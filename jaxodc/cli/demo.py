@@ -8,7 +8,7 @@ one warm-up minibatch each.
     jaxodc demo [--steps 6] [--minibatch 4] [--max-tokens 256] [--out DIR]
 
 `jaxodc demo --sites` instead trains one job across 3 sites of 2 ODC ranks each, joined by
-DiLoCo over emulated 100 Mbit/s, 20 ms links (jaxodc.train.sites): it kills a rank of site 1 (the
+DiLoCo over emulated 100 Mbit/s, 20 ms links (jaxodc.optim.sites): it kills a rank of site 1 (the
 site ends), starts a new site that joins the running job, and prints the loss per outer step and
 every membership change; training never stops.
 

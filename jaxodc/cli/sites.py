@@ -4,7 +4,7 @@ On one machine this process starts the coordination service and one `jaxodc laun
 (the links between sites emulated with --wan-mbps / --wan-ms); across real hosts each site runs its
 own launch with --coord HOST:PORT of a `jaxodc master` and --site S (README, "Across sites"). A
 site's ranks train with ODC inside the site and with DiLoCo (or hybrid sharding) across sites
-(jaxodc.train.sites). Each site's rank 0 prints a line per outer step and writes every rank's
+(jaxodc.optim.sites). Each site's rank 0 prints a line per outer step and writes every rank's
 records to --json (one file per site: PATH.siteS.json)."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def check(args) -> None:
 
 def config_of(args, secret: bytes):
     from jaxodc.odc import Link
-    from jaxodc.train.sites import SiteConfig
+    from jaxodc.optim.sites import SiteConfig
     return SiteConfig(address=args.coord, secret=secret, mode="hybrid" if args.hybrid else "diloco",
                       inner_steps=args.diloco or 1, asynchronous=args.async_diloco,
                       quantize=None if args.quantize == "none" else args.quantize, outer_lr=args.outer_lr,
@@ -88,7 +88,7 @@ def _read_secret(path: str | None) -> bytes:
     if not path:
         return b""
     with open(path, "rb") as f:
-        return f.read()
+        return f.read().strip()  # as `jaxodc master --secret-file` reads it
 
 
 # --------------------------------------------------------------------------- rank side
@@ -102,7 +102,7 @@ def worker(args, model_of, load_samples) -> None:
     from jaxodc.launch.context import init_from_env, shutdown
     from jaxodc.optim.clipping import clip_by_global_norm
     from jaxodc.train.api import Trainer
-    from jaxodc.train.sites import SiteRank, site_minibatches
+    from jaxodc.optim.sites import SiteRank, site_minibatches
 
     ctx = init_from_env()
     say = (lambda *a: print(*a, flush=True)) if ctx.rank == 0 else (lambda *a: None)
@@ -213,7 +213,7 @@ class LocalJob:
     def __init__(self, args, worker_argv: list[str], echo=print):
         from jaxodc.coord.service import CoordinatorService
         self.args, self.worker_argv, self.echo = args, worker_argv, echo
-        secret = secrets.token_bytes(32)
+        secret = secrets.token_hex(32).encode()
         fd, self.secret_file = tempfile.mkstemp(prefix="jaxodc_sites_", suffix=".secret")
         with os.fdopen(fd, "wb") as f:
             f.write(secret)

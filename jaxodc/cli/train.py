@@ -94,7 +94,7 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
     from jaxodc.cli import sites
-    sites.add_arguments(p.add_argument_group("across sites (jaxodc.train.sites)"))
+    sites.add_arguments(p.add_argument_group("across sites (jaxodc.optim.sites)"))
     return p
 
 

@@ -109,7 +109,7 @@ class DiLoCo:
     Args:
       comm: a connected :class:`~jaxodc.comm.Communicator`.
       inner_opt: any Optax optimizer, run on θ_local; None for custom loops that train θ_local
-        themselves (a sharded trainer, jaxodc.train.sites).
+        themselves (a sharded trainer, jaxodc.optim.sites).
       outer_opt: the outer optimizer; default :func:`default_outer_optimizer`.
       inner_steps: H, the inner steps per outer step.
       loss_fn: ``loss_fn(params, batch) -> scalar``, needed by :meth:`step` and :meth:`inner_step`.
@@ -121,7 +121,7 @@ class DiLoCo:
       tag: all-reduce tag of the pseudo-gradients (see :class:`PseudoGradientReducer`).
       agree: combines the group's "peers pending" answer with the answers of partners outside the
         group that must admit newcomers at the same outer step (a site's ranks, each in its own
-        ring: jaxodc.train.sites); every partner must make the same calls. None: the answer as is.
+        ring: jaxodc.optim.sites); every partner must make the same calls. None: the answer as is.
 
     Example:
       >>> dl = DiLoCo(comm, optax.adamw(3e-4), inner_steps=50, loss_fn=loss_fn).init(params)

@@ -138,7 +138,7 @@ class OdcTrainer(ShardedTrainer):
         if straggle is not None:
             straggle.check_world(self.world)
         # (grads, global_tokens) -> grads, applied to the owner's complete gradient shards before
-        # the optimizer: hybrid sharding averages them across sites (train.sites); None: as they are
+        # the optimizer: hybrid sharding averages them across sites (optim.sites); None: as they are
         self.grad_exchange = None
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts

@@ -1,7 +1,7 @@
 """Single-process references for cross-site training (tests/test_sites.py).
 
 They share the model, data and minibatch choice with `jaxodc train --groups` (the CLI's model_of,
-load_samples and jaxodc.train.sites.site_minibatches) and nothing else: inner training is
+load_samples and jaxodc.optim.sites.site_minibatches) and nothing else: inner training is
 jaxodc.train.reference.ReferenceTrainer (full parameters, plain optax, every sample packed on its
 own), the cross-site average is a numpy mean and the outer Nesterov step is numpy."""
 import numpy as np
@@ -10,7 +10,7 @@ from jaxodc.balance.packing import loss_tokens, pack
 from jaxodc.cli.train import load_samples, model_of, parser
 from jaxodc.train.program import program_of
 from jaxodc.train.reference import ReferenceTrainer
-from jaxodc.train.sites import site_minibatches
+from jaxodc.optim.sites import site_minibatches
 
 
 def cli_args(argv: list[str]):
