@@ -75,6 +75,6 @@ def predict(raw: dict) -> list[dict]:
                         min(_best_assignment(c, slow) for c in mbs.values()),
                         min(sum(c) for c in mbs.values()) / float(np.sum(1.0 / slow))]
         for mb, (mini, steal, clair, fluid) in sorted(acc.items()):
-            out.append({"straggle": spec, "minibatch": mb, "steal": mini / steal, "clairvoyant": mini / clair,
-                        "fluid": mini / fluid})
+            out.append({"straggle": spec, "minibatch": mb, "steal": float(mini / steal),
+                        "clairvoyant": float(mini / clair), "fluid": float(mini / fluid)})
     return out

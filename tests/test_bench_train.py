@@ -147,3 +147,19 @@ def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     odc = {r["compress"]: r for r in runs if r["comm"] == "odc"}
     assert odc[None]["wire_bytes_selected"] > 4 * odc["default"]["wire_bytes_selected"]
     assert len([r for r in rows if r["kind"] == "bar"]) == 6 and png.stat().st_size > 0
+
+
+def test_straggle_predict_orders_its_bounds():
+    """The simulator's replay of a run's minibatches: LB-Steal <= the clairvoyant assignment <=
+    the fluid bound (ratios over LB-Mini); with a rank throttled in every minibatch, stealing gains."""
+    from jaxodc.bench.straggle_predict import predict
+    from jaxodc.bench.train import _args
+    cfg = {k: v for k, v in vars(_args(["--minibatch", "4", "--reps", "2", "--block-samples", "8"])).items()
+           if k not in ("worker", "out")}
+    specs = ["rank_p=0.1,factor=3,seed=0", "p=0.2,factor=3,seed=1", "factor=2,rank=1,window=0:100,seed=0"]
+    raw = {"config": cfg, "cost": [2.1e-7, 3.1e-4, 0.019], "records": [{"rank": r, "straggle": s} for r in (0, 1) for s in specs]}
+    got = {p["straggle"]: p for p in predict(raw)}
+    assert sorted(got) == sorted(specs) and all(p["minibatch"] == 4 for p in got.values())
+    for p in got.values():
+        assert p["steal"] <= p["clairvoyant"] * (1 + 1e-9) <= p["fluid"] * (1 + 1e-9), p
+    assert got["factor=2,rank=1,window=0:100,seed=0"]["steal"] > 1.1
