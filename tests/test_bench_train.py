@@ -59,10 +59,11 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
 
 
-def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10, stolen=0):
+def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10, stolen=0,
+         throttled=False):
     return {"comm": comm, "balance": balance, "minibatch": 1, "rep": rep, "k": k, "rank": rank, "t_start": t0,
             "t_end": t1, "compute": compute, "opt": [t1, t1], "samples": samples, "tokens": tokens, "loss": 1.0,
-            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu, "stolen": stolen}
+            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu, "stolen": stolen, "throttled": throttled}
 
 
 def test_summarize_arithmetic():
@@ -98,6 +99,23 @@ def test_summarize_arithmetic():
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pooled"] == pytest.approx(2.0)
     assert (steal["steals"], steal["minibatches_with_steals"], mini["minibatches_with_steals"]) == (1, 1, 0)
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["pass"] is None  # bar only at minibatch 4
+
+
+def test_injected_bars_take_the_whole_run():
+    """Under injection the bar is the whole run's throughput ratio: a slowdown in one repetition
+    of three moves it, where the median of per-repetition ratios would not."""
+    from jaxodc.bench.train import summarize
+    recs = []
+    for rep, slow in ((0, 1.0), (1, 1.0), (2, 4.0)):  # repetition 2: LB-Mini's minibatch 4x longer
+        for rank in (0, 1):
+            for (comm, bal), span in ((("odc", "lb_mini"), slow), (("odc", "lb_steal"), 1.0),
+                                      (("collective@jaxodc", "lb_micro"), 1.0)):
+                r = _rec(comm, bal, rep, 0, rank, 0.0, span, [[0.0, span]], span, throttled=rank == 0 and rep == 2)
+                recs.append(dict(r, minibatch=4, straggle="rank_p=0.1,factor=3,seed=0"))
+    _, bars = summarize({"records": recs})
+    (steal,) = [b for b in bars if b["bar"].startswith("odc+lb_steal / odc+lb_mini") and b["minibatch"] == 4]
+    assert steal["median"] == pytest.approx(1.0) and steal["value"] == pytest.approx(6 / 3)
+    assert steal["pass"] is True and steal["threshold"] == 1.10 and steal["minibatches_throttled"] == 1
 
 
 def test_activation_bytes_scale_with_tokens():
