@@ -4,7 +4,8 @@
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
     python -m jaxodc bench train --memory --precision bf16 --json bench/out/train_memory_bf16.json
     python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
-    python -m jaxodc bench train --minibatch 4,8 --block-samples 32 --straggle default --json bench/out/train_straggle.json
+    python -m jaxodc bench train --minibatch 4,8 --block-samples 32 --straggle default \
+        --json bench/out/train_straggle.json
 
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
 link) bench/train_compress.py. With --straggle, every combo runs again under each injection
@@ -586,7 +587,8 @@ def main(argv: list[str]) -> int:
         write_records(args.raw, raw)
     from jaxodc.bench.straggle_predict import predict
     predicted = predict(raw) if args.straggle else []
-    write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows] + [dict(p, kind="prediction") for p in predicted]
+    write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows]
+                  + [dict(p, kind="prediction") for p in predicted]
                   + [{"kind": "calibration", "cost_odc": raw["cost"], "cost_collective": raw["cost_collective"],
                       "rows": raw["rows"], "tables": raw["calib"], "config": raw["config"]}])
     print_report(rows, bar_rows, raw)

@@ -175,7 +175,8 @@ def test_straggle_predict_orders_its_bounds():
     cfg = {k: v for k, v in vars(_args(["--minibatch", "4", "--reps", "2", "--block-samples", "8"])).items()
            if k not in ("worker", "out")}
     specs = ["rank_p=0.1,factor=3,seed=0", "p=0.2,factor=3,seed=1", "factor=2,rank=1,window=0:100,seed=0"]
-    raw = {"config": cfg, "cost": [2.1e-7, 3.1e-4, 0.019], "records": [{"rank": r, "straggle": s} for r in (0, 1) for s in specs]}
+    raw = {"config": cfg, "cost": [2.1e-7, 3.1e-4, 0.019],
+           "records": [{"rank": r, "straggle": s} for r in (0, 1) for s in specs]}
     got = {p["straggle"]: p for p in predict(raw)}
     assert sorted(got) == sorted(specs) and all(p["minibatch"] == 4 for p in got.values())
     for p in got.values():

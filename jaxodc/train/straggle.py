@@ -97,8 +97,8 @@ class Straggle:
         its own), no microbatch slowed for its content. A mean slowdown of 1.2x, as the earlier
         default (one microbatch in ten 3x slower, following the work), but on the device: a
         straggler is a slow device, which the plan's cost model cannot foresee and which
-        stealing can relieve. Slowdowns that follow the work cap every balancer, a clairvoyant one
-        included, below 1.1x over LB-Mini here (bench/RESULTS.md, straggler section)."""
+        stealing can relieve. Slowdowns that follow the work (`p`) are slow before anyone can
+        tell, and leave little to any run-time balancer (bench/RESULTS.md, straggler section)."""
         return cls(rank_p=0.1, factor=3.0, seed=0)
 
     def spec(self) -> str:
