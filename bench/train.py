@@ -4,14 +4,19 @@
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
     python -m jaxodc bench train --memory --precision bf16 --json bench/out/train_memory_bf16.json
     python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
+    python -m jaxodc bench train --minibatch 4,8 --block-samples 32 --straggle default \
+        --json bench/out/train_straggle.json
 
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
-link) bench/train_compress.py. Methodology (interleaving, bubble accounting, memory
-accounting): bench/README.md.
+link) bench/train_compress.py. With --straggle, every combo runs again under each injection
+(slowdowns keyed on the data minibatch, the same for every combo), and bench/straggle_predict.py
+replays the same minibatches and slowdowns in the simulator for what any balancer could gain.
+Methodology (interleaving, bubble accounting, memory accounting): bench/README.md.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,8 +70,9 @@ def _args(argv):
     p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="--memory: the trainers' precision (bf16: gather, compute and send gradients in bf16)")
-    p.add_argument("--straggle", help="also run every combo with this straggler injection (jaxodc.train.straggle: "
-                                      "default or key=value pairs), in the same processes")
+    p.add_argument("--straggle", action="append", default=[],
+                   help="also run every combo with this straggler injection (jaxodc.train.straggle: default or "
+                        "key=value pairs), in the same processes; repeatable (one pass per spec)")
     p.add_argument("--compress", help="compare TAGC compression (this setting: default or key=value pairs) "
                                       "with dense training instead (bench/train_compress.py)")
     p.add_argument("--link-mbps", type=float, default=0.0, help="--compress: emulated link of ODC's tcp transport")
@@ -213,8 +219,8 @@ def train_worker(args) -> None:
     ctx = init_from_env()
     init_jax_distributed(ctx)
     W, rank = ctx.world, ctx.rank
-    injected = parse_straggle(args.straggle)
-    variants = [None] + ([injected] if injected else [])  # every combo without, then with injection
+    # every combo without, then with each injection
+    variants = [None] + [s for s in map(parse_straggle, args.straggle) if s is not None]
     model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
     params = model.init(jax.random.PRNGKey(args.seed))
     samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
@@ -274,6 +280,7 @@ def train_worker(args) -> None:
                             "attention": att}]
     rep_now, turn = None, 0
     t_coll = {"collective": t_coll0}
+    data_step = 0  # the data minibatch: what injection keys on, the same for every combo that runs it
     for rep, mb, batches in _blocks(args, W, len(samples)):
         if rep != rep_now:  # re-time the collective buckets: its busy estimate follows the load
             rep_now = rep
@@ -281,17 +288,18 @@ def train_worker(args) -> None:
             t_coll = {c: time_collective(trainers[c], rows, args.calib_reps) for c in ("collective", "collective@jaxodc")}
             calib.append({"rep": rep, "rank": rank, **t_coll})
         for k, idx in enumerate(batches):
-            sub = [samples[int(i)] for i in idx]
+            sub, data_step = [samples[int(i)] for i in idx], data_step + 1
             start, turn = turn % len(COMBOS), turn + 1
             for straggle, ci in [(v, c) for v in variants for c in list(range(start, len(COMBOS))) + list(range(start))]:
                 comm, balance = COMBOS[ci]
                 tr = trainers[comm]
-                tr.straggle = straggle
+                tr.straggle = straggle and dataclasses.replace(straggle, pinned=data_step)
                 plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, costs[comm])
                 ctx.barrier("bench/minibatch")
                 res = tr.train_plan(plan, sub, min_bucket=buckets)
                 mine = [i for m in res.ran for i in m]
                 own = set(plan.ranks[rank])
+                mine_own = [m for m in range(len(res.ran)) if res.ran[m] in own]
                 opt_s = res.opt[1] - res.opt[0]
                 busy = busy_collective(res, plan, t_coll[comm]) if comm != "odc" else busy_odc(res, plan)
                 records.append({
@@ -300,6 +308,11 @@ def train_worker(args) -> None:
                     "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
                     "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s,
                     "cpu": res.cpu, "stolen": sum(1 for m in res.ran if m and m not in own),
+                    # where stealing could act: when this rank drained its own deque (s after the
+                    # start), the seconds it spent on others' microbatches, whether it was throttled
+                    "own_done": (res.microbatches[mine_own[-1]][1] - res.t_start) if mine_own else 0.0,
+                    "stolen_s": sum(b - a for m, (a, b) in zip(res.ran, res.microbatches) if m and m not in own),
+                    "throttled": bool(straggle and straggle.throttles(data_step, rank)),
                     "straggle": straggle.spec() if straggle else None, "straggle_s": sum(res.straggle_s or [])})
     rt.close()
     coll_j.close()
@@ -396,6 +409,8 @@ def _summarize_cells(records: list[dict]) -> tuple[list[dict], dict]:
             "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len(steps)),
             "loss": last["loss"],
             "straggle_s_per_minibatch": sum(r.get("straggle_s", 0.0) for r in allrecs) / len(steps),
+            "stolen_s_per_minibatch": sum(r.get("stolen_s", 0.0) for r in allrecs) / len(steps),
+            "minibatches_throttled": len({(r["rep"], r["k"]) for r in allrecs if r.get("throttled")}),
         })
     order = {c: i for i, c in enumerate(COMBOS)}
     out.sort(key=lambda r: (r["minibatch"], order[(r["comm"], r["balance"])]))
@@ -461,7 +476,10 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
 
 def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
     """The bars under straggler injection: ODC's balancing against the collective on the same
-    transport, and stealing against LB-Mini, at minibatch 4 and 8."""
+    transport, and stealing against LB-Mini, at minibatch 4 and 8. The value is the whole run's
+    throughput ratio (samples over the summed minibatch spans): slowdowns are rare events that
+    hit a minority of repetitions, and the median of per-repetition ratios would look past them
+    (the median is kept as "median")."""
     out = []
     fair, mini, steal = ("collective@jaxodc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal")
     cell = {(r["comm"], r["balance"], r["minibatch"]): r for r in rows}
@@ -470,9 +488,11 @@ def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
         for (a, b, thr) in ((mini, fair, 1.15), (steal, mini, 1.10)):
             p = _paired(per_rep, a, b, mb)
             if p:
+                value = cell[(*a, mb)]["samples_per_s_pooled"] / cell[(*b, mb)]["samples_per_s_pooled"]
                 row = {"bar": f"{a[0]}+{a[1]} / {b[0]}+{b[1]} samples/s (straggle {straggle})", "minibatch": mb,
-                       "value": p[0], "range": [p[1], p[2]], "threshold": thr if gated else None,
-                       "pass": p[0] >= thr if gated else None}
+                       "value": value, "median": p[0], "range": [p[1], p[2]], "threshold": thr if gated else None,
+                       "pass": value >= thr if gated else None,
+                       "minibatches_throttled": cell[(*a, mb)]["minibatches_throttled"]}
                 if a == steal:
                     s = cell[(*steal, mb)]
                     row.update(minibatches_with_steals=s["minibatches_with_steals"], minibatches=s["steps"])
@@ -481,7 +501,7 @@ def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
 
 
 def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None) -> None:
-    print_table([dict(r, combo=f"{r['comm']}+{r['balance']}" + (" (straggle)" if r.get("straggle") else ""))
+    print_table([dict(r, combo=f"{r['comm']}+{r['balance']}" + (f" ({r['straggle']})" if r.get("straggle") else ""))
                  for r in rows],
                 ["minibatch", "combo", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "tokens_per_s",
                  "bubble_rate", "bubble_intervals", "bubble_model", "microbatches_per_rank", "reps"])
@@ -499,8 +519,12 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
     print()
     for b in bar_rows:
         rng = f" (per-rep {b['range'][0]:.2f}..{b['range'][1]:.2f})" if "range" in b else ""
+        if "median" in b:
+            rng = f" (whole run; median of per-rep {b['median']:.3f}, {b['range'][0]:.2f}..{b['range'][1]:.2f})"
         extra = (f" [odc {b['odc_bubble']:.1%}, collective {b['collective_bubble']:.1%}]"
                  if "odc_bubble" in b else "")
+        if "minibatches_with_steals" in b and "pooled" not in b:
+            extra += f" [steals in {b['minibatches_with_steals']} of {b['minibatches']} minibatches]"
         if "pooled" in b:
             extra += (f" [whole run {b['pooled']:.3f}; steals in {b['minibatches_with_steals']} of "
                       f"{b['minibatches']} minibatches]")
@@ -544,7 +568,7 @@ def _forward(args) -> list[str]:
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
             "memory_steps", "memory_slot_mib", "precision")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-    return out + (["--straggle", args.straggle] if args.straggle else [])
+    return out + [x for s in args.straggle for x in ("--straggle", s)]
 
 
 def main(argv: list[str]) -> int:
@@ -565,10 +589,17 @@ def main(argv: list[str]) -> int:
     rows, bar_rows = summarize(raw)
     if args.raw:
         write_records(args.raw, raw)
+    from jaxodc.bench.straggle_predict import predict
+    predicted = predict(raw) if args.straggle else []
     write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows]
+                  + [dict(p, kind="prediction") for p in predicted]
                   + [{"kind": "calibration", "cost_odc": raw["cost"], "cost_collective": raw["cost_collective"],
                       "rows": raw["rows"], "tables": raw["calib"], "config": raw["config"]}])
     print_report(rows, bar_rows, raw)
+    for p in predicted:
+        print(f"minibatch {p['minibatch']}, straggle {p['straggle']}: simulator on the same minibatches and slowdowns, "
+              f"compute only, over odc+lb_mini: lb_steal {p['steal']:.3f}, clairvoyant {p['clairvoyant']:.3f}, "
+              f"fluid {p['fluid']:.3f}")
     if args.timeline:
         os.makedirs(os.path.dirname(os.path.abspath(args.timeline)) or ".", exist_ok=True)
         print(f"timeline: {os.path.abspath(draw_timeline(raw, args.timeline))}")

@@ -221,6 +221,14 @@ def test_steal_times_never_above_lb_mini():
         busy = steal_times(plan, true)
         assert busy.max() <= static * (1 + 1e-12), (trial, busy.max(), static)
         assert busy.sum() == pytest.approx(sum(true(mb) for r in plan.ranks for mb in r))
+    # rank 0 three times slower (slow[r]: rank r's time per unit of work), which the plan did not
+    # foresee: rank 1 takes the back of rank 0's deque
+    lens = [400, 300, 200, 100, 400, 300, 200, 100]
+    plan = lb_steal(lens, 2, 500, COST)
+    true = lambda mb: sum(COST(lens[i]) for i in mb)  # noqa: E731
+    busy = steal_times(plan, true, [3.0, 1.0])
+    assert busy[1] > sum(true(mb) for mb in plan.ranks[1]) and busy.max() < 3 * sum(true(mb) for mb in plan.ranks[0])
+    assert plan_times(plan, COST, "odc", slow=[3.0, 1.0])[0] == pytest.approx(busy.max())
 
 
 def test_refine_partition_counts_microbatch_overhead():

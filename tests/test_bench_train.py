@@ -25,7 +25,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     injected = [r for r in records if r["kind"] == "train" and r["straggle"]]
     assert sorted((r["comm"], r["balance"], r["minibatch"]) for r in injected) == sorted(
         (c, b, mb) for c, b in COMBOS for mb in MBS)  # every combo again, under injection
-    assert all(r["straggle"] == "p=0.1,factor=3,seed=0" for r in injected)
+    assert all(r["straggle"] == "rank_p=0.1,factor=3,seed=0" for r in injected)
     assert {(b["bar"].split(" (straggle")[0], b["minibatch"]) for b in records
             if b["kind"] == "bar" and "straggle" in b["bar"]} >= {
         ("odc+lb_steal / odc+lb_mini samples/s", 4), ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", 8)}
@@ -59,10 +59,11 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
 
 
-def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10, stolen=0):
+def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, samples=1, tokens=10, stolen=0,
+         throttled=False):
     return {"comm": comm, "balance": balance, "minibatch": 1, "rep": rep, "k": k, "rank": rank, "t_start": t0,
             "t_end": t1, "compute": compute, "opt": [t1, t1], "samples": samples, "tokens": tokens, "loss": 1.0,
-            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu, "stolen": stolen}
+            "n_micro": len(compute), "busy_est": busy_est, "cpu": cpu, "stolen": stolen, "throttled": throttled}
 
 
 def test_summarize_arithmetic():
@@ -98,6 +99,23 @@ def test_summarize_arithmetic():
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pooled"] == pytest.approx(2.0)
     assert (steal["steals"], steal["minibatches_with_steals"], mini["minibatches_with_steals"]) == (1, 1, 0)
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["pass"] is None  # bar only at minibatch 4
+
+
+def test_injected_bars_take_the_whole_run():
+    """Under injection the bar is the whole run's throughput ratio: a slowdown in one repetition
+    of three moves it, where the median of per-repetition ratios would not."""
+    from jaxodc.bench.train import summarize
+    recs = []
+    for rep, slow in ((0, 1.0), (1, 1.0), (2, 4.0)):  # repetition 2: LB-Mini's minibatch 4x longer
+        for rank in (0, 1):
+            for (comm, bal), span in ((("odc", "lb_mini"), slow), (("odc", "lb_steal"), 1.0),
+                                      (("collective@jaxodc", "lb_micro"), 1.0)):
+                r = _rec(comm, bal, rep, 0, rank, 0.0, span, [[0.0, span]], span, throttled=rank == 0 and rep == 2)
+                recs.append(dict(r, minibatch=4, straggle="rank_p=0.1,factor=3,seed=0"))
+    _, bars = summarize({"records": recs})
+    (steal,) = [b for b in bars if b["bar"].startswith("odc+lb_steal / odc+lb_mini") and b["minibatch"] == 4]
+    assert steal["median"] == pytest.approx(1.0) and steal["value"] == pytest.approx(6 / 3)
+    assert steal["pass"] is True and steal["threshold"] == 1.10 and steal["minibatches_throttled"] == 1
 
 
 def test_activation_bytes_scale_with_tokens():
@@ -147,3 +165,20 @@ def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     odc = {r["compress"]: r for r in runs if r["comm"] == "odc"}
     assert odc[None]["wire_bytes_selected"] > 4 * odc["default"]["wire_bytes_selected"]
     assert len([r for r in rows if r["kind"] == "bar"]) == 6 and png.stat().st_size > 0
+
+
+def test_straggle_predict_orders_its_bounds():
+    """The simulator's replay of a run's minibatches: LB-Steal <= the clairvoyant assignment <=
+    the fluid bound (ratios over LB-Mini); with a rank throttled in every minibatch, stealing gains."""
+    from jaxodc.bench.straggle_predict import predict
+    from jaxodc.bench.train import _args
+    cfg = {k: v for k, v in vars(_args(["--minibatch", "4", "--reps", "2", "--block-samples", "8"])).items()
+           if k not in ("worker", "out")}
+    specs = ["rank_p=0.1,factor=3,seed=0", "p=0.2,factor=3,seed=1", "factor=2,rank=1,window=0:100,seed=0"]
+    raw = {"config": cfg, "cost": [2.1e-7, 3.1e-4, 0.019],
+           "records": [{"rank": r, "straggle": s} for r in (0, 1) for s in specs]}
+    got = {p["straggle"]: p for p in predict(raw)}
+    assert sorted(got) == sorted(specs) and all(p["minibatch"] == 4 for p in got.values())
+    for p in got.values():
+        assert p["steal"] <= p["clairvoyant"] * (1 + 1e-9) <= p["fluid"] * (1 + 1e-9), p
+    assert got["factor=2,rank=1,window=0:100,seed=0"]["steal"] > 1.1

@@ -1,6 +1,7 @@
 """Straggler injection (jaxodc.train.straggle): the spec and its parser, deterministic slowdowns
 keyed on a microbatch's identity rather than the rank that runs it, and both trainers honouring it
 across 2 processes -- ODC with LB-Steal trains the same parameters as without injection."""
+import dataclasses
 import types
 
 import numpy as np
@@ -12,9 +13,9 @@ from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity
 from test_odc_trainer import B, MAX_TOKENS, STEPS, W, _setup  # the same model and data as the ODC trainer tests
 
 LR = 1e-2
-# Rank 0 is throttled in minibatches 1-2 (where it holds every microbatch: rank 1 can only steal)
-# and half the microbatches are slowed wherever they run.
-ODC_STRAGGLE = Straggle(p=0.75, factor=3.0, rank=0, window=(1, 3), seed=7)
+# Rank 0 is throttled in minibatches 1-2 (where it holds every microbatch: rank 1 can only steal),
+# half the microbatches are slowed wherever they run, and a rank is throttled at random in some.
+ODC_STRAGGLE = Straggle(p=0.75, rank_p=0.3, factor=3.0, rank=0, window=(1, 3), seed=7)
 
 
 # -- the spec ---------------------------------------------------------------------------------
@@ -25,12 +26,17 @@ def test_parse_round_trips():
     assert parse_straggle(s.spec()) == s
     assert parse_straggle(" p = 0.5 ") == Straggle(p=0.5)
     assert parse_straggle("none") is None and parse_straggle("") is None and parse_straggle(None) is None
-    assert parse_straggle("default") == Straggle.default() == Straggle(p=0.1, factor=3.0, seed=0)
+    assert parse_straggle("default") == Straggle.default() == Straggle(rank_p=0.1, factor=3.0, seed=0)
+    assert Straggle.default().spec() == "rank_p=0.1,factor=3,seed=0"
     assert parse_straggle(Straggle.default().spec()) == Straggle.default()
+    both = parse_straggle("p=0.1,rank_p=0.2,factor=2")
+    assert both == Straggle(p=0.1, rank_p=0.2, factor=2.0) and parse_straggle(both.spec()) == both
 
 
 @pytest.mark.parametrize("spec, words", [
     ("p=1.5", ["p:", "[0, 1]", "1.5"]),
+    ("rank_p=-0.1", ["rank_p:", "[0, 1]", "-0.1"]),
+    ("rank_p=y", ["rank_p must be a number", "'y'"]),
     ("p=x", ["p must be a number", "'x'"]),
     ("factor=0.5", ["factor:", ">= 1", "0.5"]),
     ("factor=inf", ["factor:", "finite"]),
@@ -41,7 +47,7 @@ def test_parse_round_trips():
     ("rank=-1,window=0:2", ["rank:", ">= 0"]),
     ("rank=1.5,window=0:2", ["rank must be an integer", "'1.5'"]),
     ("seed=-2", ["seed:", ">= 0"]),
-    ("speed=2", ["key=value pairs over p, factor, rank, window, seed", "'speed=2'"]),
+    ("speed=2", ["key=value pairs over p, rank_p, factor, rank, window, seed", "'speed=2'"]),
     ("p=0.1,p=0.2", ["p given twice"]),
 ])
 def test_parse_errors_name_the_field(spec, words):
@@ -82,6 +88,24 @@ def test_random_slowdowns_are_seeded_and_ignore_the_rank():
     assert microbatch_identity(1, 2) == microbatch_identity(1, 2, [(1,), (2,), ()]) == ("position", 1, 2)
     assert Straggle(p=0.0).slowdown(0, 0, ("position", 0, 0)) == 1.0
     assert Straggle(p=1.0, factor=2.5).slowdown(0, 0, ("position", 0, 0)) == 2.5
+
+
+def test_random_throttle_follows_the_rank_and_pins():
+    spec = Straggle(rank_p=0.3, factor=2.0, seed=5)
+    draws = [[spec.throttles(step, r) for r in range(4)] for step in range(200)]
+    assert draws == [[Straggle(rank_p=0.3, factor=2.0, seed=5).throttles(s, r) for r in range(4)] for s in range(200)]
+    assert 150 < sum(map(sum, draws)) < 330  # about rank_p of 800
+    assert any(row[0] != row[1] for row in draws)  # ranks drawn on their own
+    for step, row in enumerate(draws):  # the whole minibatch on that rank, whatever the microbatch
+        for r, hit in enumerate(row):
+            assert {spec.slowdown(step, r, ("samples", (i,))) for i in range(5)} == {2.0 if hit else 1.0}
+    # pinned: every caller's step reads as the pinned minibatch (bench train: the data minibatch)
+    pinned = dataclasses.replace(spec, pinned=17)
+    assert [pinned.throttles(step, 1) for step in range(5)] == [spec.throttles(17, 1)] * 5
+    assert pinned.spec() == spec.spec()
+    assert dataclasses.replace(Straggle(p=0.5), pinned=3).slowed(9, ("position", 0, 0)) == \
+        Straggle(p=0.5).slowed(3, ("position", 0, 0))
+    assert dataclasses.replace(Straggle(rank=1, window=(2, 4)), pinned=3).throttles(0, 1) == 1
 
 
 def test_throttle_window_and_composition():

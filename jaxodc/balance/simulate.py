@@ -20,16 +20,19 @@ METHODS = ("collective/local_sort", "collective/lb_micro", "odc/local_sort", "od
            "odc/lb_mini", "odc/lb_steal")
 
 
-def plan_times(plan: Plan, cost: CostModel, comm: str, actual: Sequence[float] | None = None) -> tuple[float, np.ndarray]:
+def plan_times(plan: Plan, cost: CostModel, comm: str, actual: Sequence[float] | None = None,
+               slow: Sequence[float] | None = None) -> tuple[float, np.ndarray]:
     """(minibatch time, busy time per rank) of one plan under `comm`. `actual[i]`: the true cost
     of sample i when it differs from the model the plan was made with (plus the model's
-    per-microbatch c)."""
+    per-microbatch c). `slow[r]`: rank r runs everything that many times slower (a throttled
+    device, which no plan foresees)."""
+    slow = np.ones(plan.world) if slow is None else np.asarray(slow, np.float64)
     true = (lambda mb: (cost.c if mb else 0.0) + sum(actual[i] for i in mb)) if actual is not None else \
         (lambda mb: cost.microbatch([plan.lengths[i] for i in mb]))
     if plan.balance == "lb_steal" and comm == "odc":
-        busy = steal_times(plan, true)
+        busy = steal_times(plan, true, slow)
         return float(busy.max()), busy
-    mb_cost = [[true(mb) for mb in r] for r in plan.ranks]
+    mb_cost = [[true(mb) * slow[r] for mb in mbs] for r, mbs in enumerate(plan.ranks)]
     busy = np.array([sum(c) for c in mb_cost])
     if comm == "collective":
         m = max(len(c) for c in mb_cost)
@@ -40,10 +43,11 @@ def plan_times(plan: Plan, cost: CostModel, comm: str, actual: Sequence[float] |
     raise ValueError(f"unknown comm {comm!r}; choose 'collective' or 'odc'")
 
 
-def steal_times(plan: Plan, true) -> np.ndarray:
+def steal_times(plan: Plan, true, slow: Sequence[float] | None = None) -> np.ndarray:
     """Busy time per rank of an lb_steal plan run as iter_steal runs it, with microbatch m taking
-    true(m): the rank that is free first claims next (its own deque's front, else the back of
-    the first non-empty victim deque); a rank that finds every deque empty is done."""
+    true(m) (times slow[r] on rank r): the rank that is free first claims next (its own deque's
+    front, else the back of the first non-empty victim deque); a rank that finds every deque
+    empty is done."""
     W = plan.world
     ends = [[0, len(r)] for r in plan.ranks]
     victims = [steal_victims(plan, r) for r in range(W)]
@@ -61,7 +65,7 @@ def steal_times(plan: Plan, true) -> np.ndarray:
                 continue
             ends[v][1] -= 1
             mb = plan.ranks[v][ends[v][1]]
-        clock[r] += true(mb)
+        clock[r] += true(mb) * (1.0 if slow is None else slow[r])
     return clock
 
 

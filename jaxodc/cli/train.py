@@ -80,9 +80,10 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
     a("--straggle", default="none", help="inject slowdowns no plan foresees (a sleep after the microbatch): none, "
-                                         "default (p=0.1,factor=3) or key=value pairs over p (chance a microbatch "
-                                         "runs factor x slower wherever it runs), factor, rank + window=start:stop "
-                                         "(that rank runs factor x slower in those minibatches), seed")
+                                         "default (rank_p=0.1,factor=3) or key=value pairs over rank_p (chance a "
+                                         "rank runs a minibatch factor x slower), p (chance a microbatch runs factor x "
+                                         "slower wherever it runs), factor, rank + window=start:stop (that rank runs "
+                                         "factor x slower in those minibatches), seed")
     a("--checkpoint", metavar="DIR", help="checkpoint directory (one sub-directory per run when comparing)")
     a("--resume", action="store_true", help="restore from --checkpoint when it holds a checkpoint")
     a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")

@@ -1,17 +1,25 @@
 """Straggler injection: slowdowns that no balancing plan foresees, for benchmarks and tests.
 
-Two kinds, both multiplying a microbatch's compute time by `factor`:
+Three kinds, each multiplying a microbatch's compute time by `factor`:
 
-- random: with probability `p` a microbatch is slowed, on whichever rank runs it. The draw hashes
-  (seed, minibatch, the microbatch's identity) and nothing else -- not the rank, not the clock --
-  so a microbatch that LB-Steal moves to another rank is slowed there too, and a run's slowed
-  microbatches are the same for every balancer that forms the same microbatches.
-- a throttled rank: `rank` runs every microbatch `factor` x slower during minibatches
-  [window[0], window[1]) (a thermally throttled or shared device).
+- a throttled rank, at random (`rank_p`): in each minibatch, each rank is throttled with
+  probability `rank_p` and runs all its microbatches of that minibatch `factor` x slower (a
+  device slowed for a while: thermal or power throttling, a co-located job, a busy host). The
+  slowdown follows the device: a microbatch another rank steals from it runs at normal speed.
+- random microbatches (`p`): with probability `p` a microbatch is slowed, on whichever rank runs
+  it. The draw hashes (seed, minibatch, the microbatch's identity) and nothing else -- not the
+  rank, not the clock -- so a microbatch that LB-Steal moves to another rank is slowed there too:
+  the slowdown follows the work (what the cost model mispredicts), and stealing can only
+  rebalance the rest around it.
+- a throttled rank for a window: `rank` runs every microbatch `factor` x slower during minibatches
+  [window[0], window[1]).
 
-A microbatch hit by both runs factor² slower. A microbatch's identity is its sample indices within
-the minibatch (what `train_plan` knows); microbatches given to `train_minibatch` directly are
-identified by (rank, position). Minibatches count the trainer's steps (checkpoint restores keep them).
+Each kind that hits a microbatch multiplies its time by `factor` again. A microbatch's identity is
+its sample indices within the minibatch (what `train_plan` knows); microbatches given to
+`train_minibatch` directly are identified by (rank, position). Minibatches count the trainer's
+steps (checkpoint restores keep them) unless the spec is `pinned` to a minibatch number (bench
+train runs every combo on the same data through the same trainers, and pins each data minibatch's
+number so that every combo sees the same slowdowns). Every draw is deterministic for the seed.
 
 The extra time is a sleep after the microbatch's compute, not busy work: the ranks of a test or
 benchmark share a host's few cores (one compute thread each, plus the ODC daemon threads that
@@ -37,7 +45,7 @@ from typing import Sequence
 
 import jax
 
-FIELDS = ("p", "factor", "rank", "window", "seed")
+FIELDS = ("p", "rank_p", "factor", "rank", "window", "seed")
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 
@@ -47,23 +55,30 @@ class Straggle:
     """Where and how much to slow microbatches (see the module docstring).
 
     Args:
-      p: probability that a microbatch is slowed, in [0, 1].
+      p: probability that a microbatch is slowed (wherever it runs), in [0, 1].
+      rank_p: probability that a rank is throttled for a whole minibatch, per rank and
+        minibatch, in [0, 1].
       factor: a slowed microbatch takes `factor` x its compute time (>= 1).
       rank: the throttled rank (None: none); needs `window`.
       window: the minibatches [start, stop) during which `rank` is throttled.
       seed: the seed of the random slowdowns (>= 0).
+      pinned: the minibatch number the slowdowns key on instead of the trainer's step (None:
+        the step); not part of `spec()`.
     """
 
     p: float = 0.0
+    rank_p: float = 0.0
     factor: float = 3.0
     rank: int | None = None
     window: tuple[int, int] | None = None
     seed: int = 0
+    pinned: int | None = None
 
     def __post_init__(self):
         bad = lambda field, why: ValueError(f"straggle {field}: {why}")  # noqa: E731
-        if not 0.0 <= self.p <= 1.0:
-            raise bad("p", f"a probability in [0, 1], got {self.p!r}")
+        for field in ("p", "rank_p"):
+            if not 0.0 <= getattr(self, field) <= 1.0:
+                raise bad(field, f"a probability in [0, 1], got {getattr(self, field)!r}")
         if not 1.0 <= self.factor < math.inf:
             raise bad("factor", f"a finite slowdown >= 1, got {self.factor!r}")
         if (self.rank is None) != (self.window is None):
@@ -78,14 +93,18 @@ class Straggle:
 
     @classmethod
     def default(cls) -> "Straggle":
-        """`--straggle default`: one microbatch in ten runs 3x slower, no rank throttled -- a mean
-        slowdown of 1.2x spread unevenly over ranks and minibatches, which a static plan cannot
-        absorb and stealing can."""
-        return cls(p=0.1, factor=3.0, seed=0)
+        """`--straggle default`: in one minibatch in ten, a rank runs 3x slower (each rank drawn on
+        its own), no microbatch slowed for its content. A mean slowdown of 1.2x, as the earlier
+        default (one microbatch in ten 3x slower, following the work), but on the device: a
+        straggler is a slow device, which the plan's cost model cannot foresee and which
+        stealing can relieve. Slowdowns that follow the work (`p`) are slow before anyone can
+        tell, and leave little to any run-time balancer (bench/RESULTS.md, straggler section)."""
+        return cls(rank_p=0.1, factor=3.0, seed=0)
 
     def spec(self) -> str:
         """The `--straggle` value that parses back to this spec."""
-        parts = [f"p={self.p:g}", f"factor={self.factor:g}"]
+        parts = ([f"p={self.p:g}"] if self.p or not self.rank_p else []) + (
+            [f"rank_p={self.rank_p:g}"] if self.rank_p else []) + [f"factor={self.factor:g}"]
         if self.rank is not None:
             parts += [f"rank={self.rank}", f"window={self.window[0]}:{self.window[1]}"]
         return ",".join(parts + [f"seed={self.seed}"])
@@ -95,17 +114,27 @@ class Straggle:
         if self.rank is not None and self.rank >= world:
             raise ValueError(f"straggle rank: {self.rank} is not a rank of this {world}-rank job")
 
+    def _draw(self, step: int, key: tuple, p: float) -> bool:
+        if p <= 0.0:
+            return False
+        digest = hashlib.blake2b(repr((self.seed, self._step(step), key)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2.0 ** 64 < p
+
+    def _step(self, step: int) -> int:
+        return int(self.pinned if self.pinned is not None else step)
+
     def slowed(self, step: int, identity: tuple) -> bool:
         """Whether the random slowdown hits microbatch `identity` of minibatch `step`."""
-        if self.p <= 0.0:
-            return False
-        digest = hashlib.blake2b(repr((self.seed, int(step), identity)).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") / 2.0 ** 64 < self.p
+        return self._draw(step, identity, self.p)
+
+    def throttles(self, step: int, rank: int) -> int:
+        """How many of the rank-level kinds (at random, the window) throttle `rank` in minibatch `step`."""
+        window = self.rank == rank and self.window[0] <= self._step(step) < self.window[1]
+        return int(window) + self._draw(step, ("rank", int(rank)), self.rank_p)
 
     def slowdown(self, step: int, rank: int, identity: tuple) -> float:
         """How many times its compute time microbatch `identity` of minibatch `step` takes on `rank`."""
-        throttled = self.rank == rank and self.window[0] <= step < self.window[1]
-        return (self.factor if self.slowed(step, identity) else 1.0) * (self.factor if throttled else 1.0)
+        return self.factor ** (self.slowed(step, identity) + self.throttles(step, rank))
 
 
 def microbatch_identity(rank: int, position: int, sample_ids: Sequence[Sequence[int]] | None = None) -> tuple:
@@ -119,7 +148,7 @@ def microbatch_identity(rank: int, position: int, sample_ids: Sequence[Sequence[
 
 def parse_straggle(spec: str | None) -> Straggle | None:
     """`--straggle` values: "none" (or None / ""), "default" (`Straggle.default`), or key=value
-    pairs over p, factor, rank, window (start:stop), seed, e.g. "p=0.2,factor=3,rank=1,window=2:5"."""
+    pairs over p, rank_p, factor, rank, window (start:stop), seed, e.g. "p=0.2,factor=3,rank=1,window=2:5"."""
     if spec is None or spec.strip() in ("", "none"):
         return None
     if spec.strip() == "default":
@@ -139,9 +168,9 @@ def parse_straggle(spec: str | None) -> Straggle | None:
                     raise ValueError
                 kwargs[key] = (int(start), int(stop))
             else:
-                kwargs[key] = float(value) if key in ("p", "factor") else int(value)
+                kwargs[key] = float(value) if key in ("p", "rank_p", "factor") else int(value)
         except ValueError:
-            want = "start:stop (minibatches)" if key == "window" else "a number" if key in ("p", "factor") \
+            want = "start:stop (minibatches)" if key == "window" else "a number" if key in ("p", "rank_p", "factor") \
                 else "an integer"
             raise ValueError(f"--straggle {spec!r}: {key} must be {want}, got {value!r}") from None
     try:
