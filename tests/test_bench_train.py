@@ -25,7 +25,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     injected = [r for r in records if r["kind"] == "train" and r["straggle"]]
     assert sorted((r["comm"], r["balance"], r["minibatch"]) for r in injected) == sorted(
         (c, b, mb) for c, b in COMBOS for mb in MBS)  # every combo again, under injection
-    assert all(r["straggle"] == "rank_p=0.1,factor=3,seed=0" for r in injected)
+    assert all(r["straggle"] == "p=0.05,rank_p=0.05,factor=3,seed=0" for r in injected)
     assert {(b["bar"].split(" (straggle")[0], b["minibatch"]) for b in records
             if b["kind"] == "bar" and "straggle" in b["bar"]} >= {
         ("odc+lb_steal / odc+lb_mini samples/s", 4), ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", 8)}

@@ -80,7 +80,7 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
     a("--straggle", default="none", help="inject slowdowns no plan foresees (a sleep after the microbatch): none, "
-                                         "default (rank_p=0.1,factor=3) or key=value pairs over rank_p (chance a "
+                                         "default (p=0.05,rank_p=0.05,factor=3) or key=value pairs over rank_p (chance a "
                                          "rank runs a minibatch factor x slower), p (chance a microbatch runs factor x "
                                          "slower wherever it runs), factor, rank + window=start:stop (that rank runs "
                                          "factor x slower in those minibatches), seed")
