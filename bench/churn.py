@@ -311,6 +311,8 @@ class GroupChurn:
             status = self.job.wait(timeout_s=300)
         finally:
             self.job.close()
+        with open(os.path.join(self.dir, "sites.log"), "w") as f:  # every site's lines, for a post-mortem
+            f.writelines(f"{t:.3f} {line}\n" for t, line in self.job.lines)
         unexpected = {s: rc for s, rc in status.items() if rc and s not in self.killed}
         if unexpected:
             failures.append(f"sites ended with errors: {unexpected}")
@@ -349,7 +351,10 @@ def main(argv=None) -> int:
                 ("longest gap without an inner minibatch (s)", res["longest_gap_s"], "<= 5", res["longest_gap_s"] <= 5)]
         for name, v, bar, met in bars:
             print(f"{name}: {v} (bar {bar}: {'met' if met else 'NOT met'})")
-        print(f"shared state: {'diverged' if res['failures'] else 'bit-identical on every site, ring and outer step'}")
+        diverged = any(f.startswith("shared state diverged") for f in res["failures"])
+        print(f"shared state: {'DIVERGED' if diverged else 'bit-identical on every site, ring and outer step'}")
+        for f in res["failures"]:
+            print(f"failure: {f[:2000]}")
         return 1 if res["failures"] else 0
     res = Churn(args.minutes * 60, args.max_peers, args.seed, link_bps=args.link_mbps * 1e6).run()
     print(json.dumps(res, indent=1))

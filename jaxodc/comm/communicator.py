@@ -140,19 +140,23 @@ class Communicator:
         if address is None:
             raise ValueError("Communicator needs the service address (or host_master=True)")
         self.address = address
+        self._send_lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._inflight_lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of a peer not yet connected."""
         self.peer_id: int | None = None
         self.ep = None
         self.ss_server: ss.SharedStateServer | None = None
         self._sock: socket.socket | None = None
-        self._send_lock = threading.Lock()
         self._waiters: dict[int, _Waiter] = {}
-        self._rids = itertools.count(1)
         self._dead: str | None = None
         self._closed = threading.Event()
         self._last_recv = time.monotonic()
         self._threads: list[threading.Thread] = []
         self._inflight: dict[int, AllReduceHandle] = {}
-        self._inflight_lock = threading.Lock()
         self._abort_count = 0
         self._abort_reason = ""
         self.accepted = False
@@ -233,6 +237,16 @@ class Communicator:
         if self.master is not None:
             self.master.stop()
             self.master = None
+
+    def reconnect(self) -> "Communicator":
+        """Leaves the group, as if this peer had died, and registers again as a newcomer with a
+        new peer id (an embedded service keeps running): how a peer backs out of an admission
+        its partners did not share (jaxodc.optim.sites)."""
+        master, self.master = self.master, None
+        self.close()
+        self.master = master
+        self._reset()
+        return self.connect()
 
     def __enter__(self):
         return self.connect() if self._sock is None else self

@@ -122,6 +122,8 @@ class DiLoCo:
       agree: combines the group's "peers pending" answer with the answers of partners outside the
         group that must admit newcomers at the same outer step (a site's ranks, each in its own
         ring: jaxodc.optim.sites); every partner must make the same calls. None: the answer as is.
+      admit: how this peer, a newcomer, gets voted in (None: ``comm.update_topology()``); a site
+        joins all its rings or none (jaxodc.optim.sites).
 
     Example:
       >>> dl = DiLoCo(comm, optax.adamw(3e-4), inner_steps=50, loss_fn=loss_fn).init(params)
@@ -133,7 +135,8 @@ class DiLoCo:
     def __init__(self, comm: Communicator, inner_opt: optax.GradientTransformation | None,
                  outer_opt: optax.GradientTransformation | None = None, inner_steps: int = 1, *,
                  loss_fn: Callable | None = None, asynchronous: bool = False, sync_every: int | None = None,
-                 quantize: str | None = None, tag: int = DEFAULT_TAG, agree: Callable[[bool], bool] | None = None):
+                 quantize: str | None = None, tag: int = DEFAULT_TAG, agree: Callable[[bool], bool] | None = None,
+                 admit: Callable[[], None] | None = None):
         if int(inner_steps) < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         self.comm = comm
@@ -145,6 +148,7 @@ class DiLoCo:
         self.sync_every = int((0 if asynchronous else 1) if sync_every is None else sync_every)
         self.reducer = PseudoGradientReducer(comm, quantize=quantize, tag=tag)
         self.agree = agree
+        self.admit = admit
         self.global_params = self.outer_state = self.params = self.inner_state = None
         self.outer_steps = 0        # outer steps completed on this peer
         self.inner_count = 0        # inner steps done in the current outer step
@@ -238,7 +242,7 @@ class DiLoCo:
         comm = self.comm
         strategy = None
         if not comm.accepted:  # a newcomer: blocks until the group votes it in
-            comm.update_topology()
+            (self.admit or comm.update_topology)()
             # alone, it founds the group and keeps its state; otherwise its stale state must not win
             strategy = "receive_only" if comm.world_size > 1 else "enforce_popular"
         elif self._peers_pending():

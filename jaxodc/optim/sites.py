@@ -47,6 +47,8 @@ class SiteConfig:
       timeout_s: how long any wait on the service or a peer may take.
       founders: the founding sites: training starts once this many are in every ring (so that
         they start from the same step). Sites started later join a running job (SiteRank's join).
+      join_poll_s: a joining site's ranks compare, this often, whether all of them were voted in;
+        a partial admission (a site elsewhere died in the middle of it) is backed out and retried.
     """
 
     address: str
@@ -60,6 +62,7 @@ class SiteConfig:
     wan: object | None = None
     timeout_s: float = 60.0
     founders: int = 1
+    join_poll_s: float = 5.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -149,7 +152,8 @@ class SiteRank:
             else:
                 self.diloco = DiLoCo(self.comm, None, config.outer_optimizer(), config.inner_steps,
                                      asynchronous=config.asynchronous, quantize=config.quantize,
-                                     agree=self._every_rank).init(self.state.local_shards())
+                                     agree=self._every_rank, admit=self._join_every_ring
+                                     ).init(self.state.local_shards())
         except BaseException:
             self.comm.close()
             raise
@@ -172,6 +176,29 @@ class SiteRank:
                 comm.update_topology()
             else:
                 time.sleep(0.05)
+
+    def _join_every_ring(self) -> None:
+        """A joining site enters all its rings at one outer step or none. The others admit it
+        only where every ring sees it pending, but a site dying in the middle of that admission
+        can abort it in one ring and not another; then the ranks that got in back out
+        (reconnect, as if they had died: the rings' survivors retry without them) and every
+        rank registers again."""
+        from jaxodc.comm.communicator import CommError
+        comm, deadline = self.comm, time.monotonic() + 4 * self.config.timeout_s
+        while True:
+            try:
+                comm.update_topology(timeout_s=self.config.join_poll_s)
+                admitted = True
+            except (TimeoutError, CommError):
+                admitted = False
+            votes = self.trainer.ctx.allgather("jaxodc/sites/joined", b"1" if admitted else b"0",
+                                               timeout_s=self.config.timeout_s)
+            if all(v == b"1" for v in votes):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._who()}: not voted into all {len(votes)} rings at one outer step "
+                                   f"within {4 * self.config.timeout_s:g} s (admitted: {[v == b'1' for v in votes]})")
+            comm.reconnect()
 
     def _who(self) -> str:
         return f"site {self.site} rank {self.trainer.rank}"
