@@ -12,6 +12,7 @@ survivors retry without it.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import optax
 
-from jaxodc.comm.communicator import Communicator
+from jaxodc.comm.communicator import CommError, Communicator
 from jaxodc.optim.diloco import DiLoCo
 
 MODES = ("diloco", "hybrid")
@@ -106,7 +107,6 @@ def site_minibatches(n_samples: int, per_rank: int, world: int, site: int, outer
     seeded stream (sites see different data), a pure function of its arguments so that a
     newcomer, a restarted site and a reference compute the same ones."""
     from jaxodc.data import minibatches
-    import itertools
     stream = minibatches(n_samples, world * per_rank, seed=seed + 7919 * (site + 1), epochs=None)
     return list(itertools.islice(stream, outer_step * count, (outer_step + 1) * count))
 
@@ -140,7 +140,6 @@ class SiteRank:
         self.comm = Communicator(config.address, peer_group=trainer.rank, secret=config.secret,
                                  timeout_s=config.timeout_s, link=config.wan).connect()
         self.diloco: DiLoCo | None = None
-        self._bytes0 = 0
         try:
             if join and config.mode == "hybrid":
                 raise ValueError(f"site {site}: hybrid sharding keeps its founding sites; only DiLoCo sites join")
@@ -183,7 +182,6 @@ class SiteRank:
         can abort it in one ring and not another; then the ranks that got in back out
         (reconnect, as if they had died: the rings' survivors retry without them) and every
         rank registers again."""
-        from jaxodc.comm.communicator import CommError
         comm, deadline = self.comm, time.monotonic() + 4 * self.config.timeout_s
         while True:
             try:
