@@ -68,6 +68,20 @@ def test_admission_vote_accepted_peers_vote_a_newcomer_in():
     assert s.snapshot()["counters"]["accepted"] == 2
 
 
+def test_a_joiner_never_founds_an_empty_group():
+    """found=False (a site joining a running job): parked even in an empty group; the first peer
+    that may found the group bootstraps it with every waiting peer, joiners included."""
+    s = CoordState()
+    a, b = register(s, 2)
+    assert s.receive(b, {"t": "topo", "rid": 1, "found": False}, 0.0) == []
+    assert s.snapshot()["groups"][0]["accepted"] == [] and s.snapshot()["groups"][0]["waiting"] == [b]
+    ring = ["ring-a", "ring-b"]
+    assert s.receive(a, {"t": "topo", "rid": 2}, 0.0) == [
+        Send(a, reply(2, ok=True, changed=True, op=1, epoch=1, ring=ring, rank=0)),
+        Send(b, reply(1, ok=True, changed=True, op=1, epoch=1, ring=ring, rank=1))]
+    assert s.snapshot()["groups"][0]["accepted"] == [a, b]
+
+
 def test_collective_opened_and_closed_by_unanimous_consensus():
     s, (a, b) = formed_group(2)
     assert s.receive(a, {"t": "open", "rid": 1, "tag": 1, "epoch": 2}, 0.0) == []

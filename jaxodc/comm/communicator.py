@@ -360,17 +360,20 @@ class Communicator:
         """Consensus: the same answer at every accepted peer of the group; may overlap collectives."""
         return bool(self._request("are_peers_pending", Msg.PENDING)["pending"])
 
-    def update_topology(self, accept_new: bool = True, timeout_s: float | None = None) -> None:
+    def update_topology(self, accept_new: bool = True, timeout_s: float | None = None, found: bool = True) -> None:
         """Vote (accept_new) on pending peers and install the group's ring when it changed.
 
-        A registered (new) peer blocks here until the accepted peers vote it in. A failure while
-        the ring connects is retried at a new epoch; newcomers admitted by then stay admitted."""
+        A registered (new) peer blocks here until the accepted peers vote it in; with found=False
+        it never founds an empty group itself (it waits for a founder: a peer joining a running
+        job). A failure while the ring connects is retried at a new epoch; newcomers admitted by
+        then stay admitted."""
         self._await_inflight()
         attempts = 0
         while True:
             attempts += 1
             try:
-                r = self._request("update_topology", Msg.TOPO, timeout_s=timeout_s, accept_new=accept_new)
+                r = self._request("update_topology", Msg.TOPO, timeout_s=timeout_s, accept_new=accept_new,
+                                  found=found)
                 self.accepted = True
                 if r["changed"]:
                     self._install_ring(r)

@@ -119,6 +119,7 @@ class Group:
     members: list[Peer] = dataclasses.field(default_factory=list)  # accepted, in acceptance order
     registered: dict[int, Peer] = dataclasses.field(default_factory=dict)
     waiting: dict[int, int] = dataclasses.field(default_factory=dict)  # registered pid -> rid of its TOPO
+    joiners: set[int] = dataclasses.field(default_factory=set)  # waiting pids that must not found the group
     ring: list[int] = dataclasses.field(default_factory=list)
     epoch: int = 0
     stale: bool = True                     # the ring must be (re)installed before a collective
@@ -338,6 +339,7 @@ class CoordState:
         log.info("removed %r: %s", peer, reason)
         group.registered.pop(peer.id, None)
         group.waiting.pop(peer.id, None)
+        group.joiners.discard(peer.id)
         if peer.phase is PeerPhase.REGISTERED:
             self._check_topology(group)
             return
@@ -486,6 +488,8 @@ class CoordState:
     def _on_topo(self, peer: Peer, group: Group, rid: int, msg: dict) -> None:
         if peer.phase is PeerPhase.REGISTERED:
             group.waiting[peer.id] = rid  # parked until the accepted peers vote
+            if not msg.get("found", True):
+                group.joiners.add(peer.id)
             self._check_topology(group)
         else:
             self._vote_major(peer, group, rid, OpKind.TOPOLOGY, msg)
@@ -493,8 +497,8 @@ class CoordState:
     def _check_topology(self, group: Group) -> None:
         op = group.major
         if op is None:
-            if group.members or not group.waiting:
-                return
+            if group.members or not set(group.waiting) - group.joiners:
+                return  # a group is founded by a waiting peer that may found it, with every waiting peer
             op = group.major = MajorOp(OpKind.TOPOLOGY, next(self._op_ids))  # bootstrap an empty group
         if op.kind is not OpKind.TOPOLOGY:
             return
@@ -509,6 +513,7 @@ class CoordState:
                 p = group.registered.pop(pid)
                 p.phase = PeerPhase.ACCEPTED
                 group.members.append(p)
+                group.joiners.discard(pid)
                 newcomers.append((pid, group.waiting[pid]))
                 self.counters["accepted"] += 1
                 log.info("group %d accepted %r", group.id, p)

@@ -123,7 +123,8 @@ class SiteRank:
       config: a `SiteConfig`, the same on every rank of every site.
       site: this site's id (for records and logs).
       join: this site joins a running job: it is voted in at the job's next outer step and fetches
-        θ_global and the outer optimizer state (diloco only); otherwise it is one of the founders.
+        θ_global and the outer optimizer state (diloco only); otherwise it is one of the founders
+        (site 0 founds the rings, so it must be one).
 
     Example:
       >>> rank = SiteRank(trainer, SiteConfig(address, secret, inner_steps=16), site=0)
@@ -158,11 +159,17 @@ class SiteRank:
             raise
 
     def _await_founders(self) -> None:
-        """Joins ring r and admits the other founders until every ring of this site holds all of
-        them. Like an outer step, a newcomer is admitted only when every ring sees it pending, and
-        the loop ends on a site-wide condition, so this site's ranks make the same calls."""
+        """Site 0 founds every ring; the other founders join it (all rings or none) and, with it,
+        admit the rest until every ring holds all of them. Like an outer step, a newcomer is
+        admitted only when every ring sees it pending, and the loop ends on a site-wide
+        condition, so this site's ranks make the same calls. (Were any founder allowed to found,
+        ring 0 could be founded by one site and ring 1 by another, each site then blocked half
+        in its rings.)"""
         comm, deadline = self.comm, time.monotonic() + self.config.timeout_s
-        comm.update_topology(timeout_s=self.config.timeout_s)
+        if self.site == 0:
+            comm.update_topology(timeout_s=self.config.timeout_s)
+        else:
+            self._join_every_ring()
         while True:
             worlds = [int(x) for x in self.trainer.ctx.allgather(
                 "jaxodc/sites/founders", str(comm.world_size).encode(), timeout_s=self.config.timeout_s)]
@@ -185,7 +192,7 @@ class SiteRank:
         comm, deadline = self.comm, time.monotonic() + 4 * self.config.timeout_s
         while True:
             try:
-                comm.update_topology(timeout_s=self.config.join_poll_s)
+                comm.update_topology(timeout_s=self.config.join_poll_s, found=False)
                 admitted = True
             except (TimeoutError, CommError):
                 admitted = False
