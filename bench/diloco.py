@@ -33,7 +33,7 @@ def _args(argv):
     p.add_argument("--png", metavar="PATH", help="training loss against tokens, one line per mode")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--H", type=int, default=16, help="inner minibatches per outer step")
-    p.add_argument("--outer-steps", type=int, default=8, help="DiLoCo outer steps (the token budget: H x this)")
+    p.add_argument("--outer-steps", type=int, default=16, help="DiLoCo outer steps (the token budget: H x this)")
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--wan-mbps", type=float, default=100.0)
@@ -43,6 +43,10 @@ def _args(argv):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3, help="inner Adam learning rate")
+    # plain averaging (lr 1, no momentum) by default: at 2 sites and 16 outer steps the paper's
+    # Nesterov 0.7 / 0.9 trails ddp by 11 % and async diverges (bench/RESULTS.md, "Across sites")
+    p.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo's outer SGD learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="DiLoCo's outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--quantize", default="none", choices=("none", "uint8", "uint16"),
                    help="the DiLoCo modes' pseudo-gradient transfer format")
     p.add_argument("--timeout", type=float, default=1200.0)
@@ -51,7 +55,8 @@ def _args(argv):
 
 def train_argv(a, mode: str, json_path: str) -> list[str]:
     steps = a.H * a.outer_steps
-    across = ["--hybrid"] if mode == "ddp" else (["--diloco", str(a.H), "--quantize", a.quantize]
+    across = ["--hybrid"] if mode == "ddp" else (["--diloco", str(a.H), "--quantize", a.quantize, "--outer-lr",
+                                                  str(a.outer_lr), "--outer-momentum", str(a.outer_momentum)]
                                                  + (["--async"] if mode == "async_diloco" else []))
     return ["--groups", str(a.groups), "--ranks", str(a.ranks), *across, "--steps", str(steps),
             "--minibatch", str(a.minibatch), "--max-tokens", str(a.max_tokens), "--d-model", str(a.d_model),
@@ -97,7 +102,8 @@ def run_mode(a, mode: str, workdir: str) -> tuple[dict, list]:
     steps = sorted({r["outer_step"] for r in recs if r["outer_step"] > 0})  # step 0 compiles
     slowest = lambda key, k: max(r[key] for r in recs if r["outer_step"] == k)
     rec = {"mode": mode, "H": 1 if mode == "ddp" else a.H, "quantize": None if mode == "ddp" or a.quantize == "none"
-           else a.quantize, "groups": a.groups, "ranks": a.ranks,
+           else a.quantize, "outer_lr": None if mode == "ddp" else a.outer_lr,
+           "outer_momentum": None if mode == "ddp" else a.outer_momentum, "groups": a.groups, "ranks": a.ranks,
            "wan_mbps": a.wan_mbps, "tokens": tokens,
            "bytes_per_token": sum(sum(f["bytes_sent"]) for f in final) / tokens,
            "final_loss": held_out_loss(targs, final[0]["shards"]),
