@@ -43,8 +43,8 @@ def _args(argv):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3, help="inner Adam learning rate")
-    # plain averaging (lr 1, no momentum) by default: at 2 sites and 16 outer steps the paper's
-    # Nesterov 0.7 / 0.9 trails ddp by 11 % and async diverges (bench/RESULTS.md, "Across sites")
+    # plain averaging (lr 1, no momentum) by default: at 2 sites the paper's Nesterov 0.7 / 0.9
+    # trails ddp by 11 % (8 outer steps) and async diverges (bench/RESULTS.md, "Across sites")
     p.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo's outer SGD learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="DiLoCo's outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--quantize", default="none", choices=("none", "uint8", "uint16"),
