@@ -217,6 +217,14 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 # ODC's gathers (whole unit, into a buffer, one buffer per parameter); XLA's all-gathers by opcode.
 _ODC_GATHER = re.compile(r'custom_call_target="jaxodc_odc_gather(_pieces|_into)?"')
 _ALL_GATHER = ("all-gather", "all-gather-start")
+# The collective over jaxodc's transport (ops.lockstep_collective): one custom call for every kind;
+# a gather is the one whose output is larger than its input (world x its shard).
+_LOCKSTEP = 'custom_call_target="jaxodc_lockstep"'
+
+
+def _numel(typ: str) -> int:
+    m = re.match(r"\w+\[([\d,]*)\]", typ)
+    return int(np.prod([int(d) for d in m.group(1).split(",") if d])) if m else 0
 
 
 def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
@@ -248,20 +256,24 @@ def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
 
 def gathered_peak_units(hlo: str) -> tuple[int, int]:
     """(largest number of gathers whose unit is alive at once, number of gathers) in the compiled
-    step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call or
-    an all-gather) is alive from its instruction to the last use of any value still holding its
+    step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call,
+    an all-gather, or a lock-step collective whose output is larger than its input) is alive from its instruction to the last use of any value still holding its
     unit (_HOLDERS). XLA assigns buffers by this schedule, so this counts the gathered units the
     step's memory holds at once, whatever the model code intended."""
     instrs = _parse_entry(hlo)
     types = {name: typ for name, typ, *_ in instrs}
     scalar = lambda a: re.fullmatch(r"\w+\[\](\{\})?", types.get(a, "")) is not None  # noqa: E731
     holds: dict[str, set[int]] = {}  # value -> the gathers whose unit it holds
-    born, last = [], []
-    for i, (name, _, op, operands, attrs) in enumerate(instrs):
+    born, last, lockstep, lockstep_gathers = [], [], 0, 0
+    for i, (name, typ, op, operands, attrs) in enumerate(instrs):
         for a in operands:
             for g in holds.get(a, ()):
                 last[g] = i
-        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER:
+        is_lockstep = op == "custom-call" and _LOCKSTEP in attrs
+        step_gather = is_lockstep and bool(operands) and _numel(typ) > _numel(types.get(operands[0], ""))
+        lockstep += is_lockstep
+        lockstep_gathers += step_gather
+        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER or step_gather:
             holds[name] = {len(born)}
             born.append(i)
             last.append(i)
@@ -273,9 +285,11 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
             holds[name] = src
     total = sum(1 for line in hlo.splitlines()
                 if _ODC_GATHER.search(line) or re.search(r"= \S+ (%s)\(" % "|".join(_ALL_GATHER), line))
-    if total != len(born):
-        raise RuntimeError(f"{total - len(born)} of {total} gathers sit outside the step's ENTRY computation "
-                           "(inside a loop or call); their lifetimes are not read")
+    outside = hlo.count(_LOCKSTEP) - lockstep  # lockstep calls (of any kind) outside ENTRY
+    if outside or total != len(born) - lockstep_gathers:
+        raise RuntimeError(f"{max(outside, total + lockstep_gathers - len(born))} gathers or lock-step collectives "
+                           "sit outside the step's ENTRY computation (inside a loop or call); their lifetimes "
+                           "are not read")
     peak = max((sum(b <= i <= l for b, l in zip(born, last)) for i in range(len(instrs))), default=0)
     return peak, len(born)
 
