@@ -210,7 +210,8 @@ def worker(args) -> int:
     unit = layout.largest * 4
     rt = None
     if comm == "collective":
-        tr = CollectiveTrainer(model, optimizer, params, precision=args.precision)
+        tr = CollectiveTrainer(model, optimizer, params, precision=args.precision,
+                               transport=args.memory_collective_transport)
     else:
         rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
         tr = OdcTrainer(model, optimizer, params, rt, precision=args.precision)
@@ -234,7 +235,10 @@ def worker(args) -> int:
     masters = {rt.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
     live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
                if not (masters and a.unsafe_buffer_pointer() in masters))
-    native_live = (rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else 0
+    # The ODC runtime's segment and accumulators, or the lock-step group's segment (transport
+    # "jaxodc"): shm pages, which the transient below leaves out with the peers' mapped segments.
+    native_live = ((rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else
+                   lockstep_bytes(tr.group) if tr.group is not None else 0)
     _reset_peak()
     before = _status()
     for step in range(1, args.memory_steps + 1):
@@ -253,7 +257,8 @@ def worker(args) -> int:
     state, mb, opt, native = acc["state"], acc["mb_step"], acc["opt_step"], acc["native"]
     mb_phase, opt_phase, peak_xla = acc["mb_phase"], acc["opt_phase"], acc["peak_xla"]
     bound = S / W + 3 * unit + act["activations"]
-    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
+    rec = {"kind": "memory", "comm": comm, "transport": "jaxodc" if rt else args.memory_collective_transport,
+           "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase,
