@@ -2,6 +2,11 @@
 and bf16, against single-process training of the same model on the same data.
 
     python -m jaxodc bench models --json bench/out/models.json
+    python -m jaxodc bench models --collective-transports gloo,jaxodc --json bench/out/models.json
+
+The models have a few MiB of parameters each (`--tiny`: kilobytes, where fixed buffers outweigh a
+unit and the memory bound says little). The collective runs over gloo and/or jaxodc's lock-step
+transport (records' `transport`; the lock-step group's buffers are counted in the peak).
 
 One record per (model, comm, precision, ranks): the final loss of single-process
 `jax.value_and_grad` training (fp32, jaxodc.train.reference) and of the sharded run, the largest
