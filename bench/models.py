@@ -356,13 +356,15 @@ def _reference(case: Case, steps: int, counts: list[int], lr: float):
     return loss, full_of(ref.params, rest)
 
 
-def _max_diff(a, b) -> float:
+def _max_diff(a, b) -> tuple[float, str]:
+    """(largest absolute difference over the float leaves, the path of the leaf holding it)."""
     import jax
     import jax.numpy as jnp
-    diffs = [float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    diffs = [(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
+              jax.tree_util.keystr(p, simple=True, separator="/"))
+             for (p, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b))
              if jnp.issubdtype(jnp.asarray(y).dtype, jnp.floating) and np.size(y)]
-    return max(diffs, default=0.0)
+    return max(diffs, default=(0.0, ""))
 
 
 def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
@@ -427,7 +429,8 @@ def worker(args) -> int:
             if ctx.rank == 0:
                 if name not in refs:
                     refs[name] = _reference(case, args.steps, [args.microbatches] * ctx.world, args.lr)
-                rec["loss_single"], rec["max_param_diff"] = float(refs[name][0]), _max_diff(full, refs[name][1])
+                rec["loss_single"] = float(refs[name][0])
+                rec["max_param_diff"], rec["max_param_diff_leaf"] = _max_diff(full, refs[name][1])
                 records.append(rec)
     if ctx.rank == 0:
         with open(args.out, "w") as f:
