@@ -262,9 +262,10 @@ def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
 def gathered_peak_units(hlo: str) -> tuple[int, int]:
     """(largest number of gathers whose unit is alive at once, number of gathers) in the compiled
     step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call,
-    an all-gather, or a lock-step collective whose output is larger than its input) is alive from its instruction to the last use of any value still holding its
-    unit (_HOLDERS). XLA assigns buffers by this schedule, so this counts the gathered units the
-    step's memory holds at once, whatever the model code intended."""
+    an all-gather, or a lock-step collective whose output is larger than its input) is alive from
+    its instruction to the last use of any value still holding its unit (_HOLDERS). XLA assigns
+    buffers by this schedule, so this counts the gathered units the step's memory holds at once,
+    whatever the model code intended."""
     instrs = _parse_entry(hlo)
     types = {name: typ for name, typ, *_ in instrs}
     scalar = lambda a: re.fullmatch(r"\w+\[\](\{\})?", types.get(a, "")) is not None  # noqa: E731
@@ -459,21 +460,21 @@ def evaluate_bars(records: list[dict]) -> list[dict]:
 
 
 def print_report(records: list[dict], bars: list[dict]) -> None:
-    tab = [{**{k: r[k] for k in ("model", "comm", "transport", "precision", "ranks", "steps", "loss_single", "loss_sharded",
-                                  "max_param_diff", "gathered_peak_units", "units")},
+    tab = [{**{k: r[k] for k in ("model", "comm", "transport", "precision", "ranks", "steps", "loss_single",
+                                  "loss_sharded", "max_param_diff", "gathered_peak_units", "units")},
             "peak_MiB": r["peak_bytes"] / MiB, "bound_MiB": r["bound_bytes"] / MiB,
             "peak/bound": r["peak_bytes"] / r["bound_bytes"]} for r in records]
     print("every example model, sharded vs single-process training (peak: accounted per rank, bound = S/W + 3 x "
           "largest unit + activations)")
-    print_table(tab, ["model", "comm", "transport", "precision", "ranks", "steps", "loss_single", "loss_sharded", "max_param_diff",
-                      "peak_MiB", "bound_MiB", "peak/bound", "gathered_peak_units", "units"])
+    print_table(tab, ["model", "comm", "transport", "precision", "ranks", "steps", "loss_single", "loss_sharded",
+                      "max_param_diff", "peak_MiB", "bound_MiB", "peak/bound", "gathered_peak_units", "units"])
     print()
     for title in dict.fromkeys(b["bar"] for b in bars):
         rows = [b for b in bars if b["bar"] == title]
         met = all(b["met"] for b in rows)
         worst = max(rows, key=lambda b: b["ratio"])
-        print(f"bar {title}: worst {worst['model']}/{worst['comm']}/{worst['transport']}/{worst['precision']} {worst['value']:.4g} vs "
-              f"{worst['limit']:.4g} (ratio {worst['ratio']:.3f}) -> {'met' if met else 'NOT met'}"
+        print(f"bar {title}: worst {worst['model']}/{worst['comm']}/{worst['transport']}/{worst['precision']} "
+              f"{worst['value']:.4g} vs {worst['limit']:.4g} (ratio {worst['ratio']:.3f}) -> {'met' if met else 'NOT met'}"
               + ("" if met else f" ({sum(not b['met'] for b in rows)} of {len(rows)} records over)"))
 
 
