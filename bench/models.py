@@ -2,6 +2,11 @@
 and bf16, against single-process training of the same model on the same data.
 
     python -m jaxodc bench models --json bench/out/models.json
+    python -m jaxodc bench models --collective-transports gloo,jaxodc --json bench/out/models.json
+
+The models have a few MiB of parameters each (`--tiny`: kilobytes, where fixed buffers outweigh a
+unit and the memory bound says little). The collective runs over gloo and/or jaxodc's lock-step
+transport (records' `transport`; the lock-step group's buffers are counted in the peak).
 
 One record per (model, comm, precision, ranks): the final loss of single-process
 `jax.value_and_grad` training (fp32, jaxodc.train.reference) and of the sharded run, the largest
@@ -75,43 +80,75 @@ def _samples(b):
     return float(np.sum(b["mask"]))
 
 
-def mlp() -> Case:
+# Sizes: a few MiB of parameters per model (bench train --memory's LM has 110 MiB), so that the
+# parameters dominate what does not scale with them (the batch and the loss's buffers, page
+# rounding of the runtime's segment, receive slots), as in real use; at a few kilobytes (the sizes
+# before, `--tiny`) those fixed buffers weigh as much as a unit and the memory bar measures them
+# rather than the sharding. Batches stay small: runs take seconds.
+
+def mlp(tiny: bool = False) -> Case:
     import jax
     from jaxodc.models.mlp import MLP
-    model = MLP((16, 64, 64, 10))
-    return Case(model, model.init(jax.random.PRNGKey(0)), _features(16, 10), _samples, 8)
+    d_in, sizes = (16, (16, 64, 64, 10)) if tiny else (256, (256, 1024, 1024, 10))
+    model = MLP(sizes)
+    return Case(model, model.init(jax.random.PRNGKey(0)), _features(d_in, 10), _samples, 8)
 
 
-def lm() -> Case:
+def lm(tiny: bool = False) -> Case:
     import jax
     from jaxodc.models.lm import LM, LMConfig
-    model = LM(LMConfig(vocab=256, d_model=64, n_layers=2, attention="dense"))
+    model = LM(LMConfig(vocab=256, d_model=64 if tiny else 256, n_layers=2, attention="dense"))
     return Case(model, model.init(jax.random.PRNGKey(0)), _tokens(256), _loss_tokens, 32)
 
 
-def llama() -> Case:
+def llama(tiny: bool = False) -> Case:
     import jax
     import jax.numpy as jnp
     from jaxodc.models.llama import Llama, LlamaConfig
     from jaxodc.train.adapters import linen_loss_fn
-    cfg = LlamaConfig(vocab=64, d_model=32, n_layers=3, ffn=64, scan_axis=1, tie_embeddings=True)
+    cfg = (LlamaConfig(vocab=64, d_model=32, n_layers=3, ffn=64, scan_axis=1, tie_embeddings=True) if tiny else
+           LlamaConfig(vocab=256, d_model=192, n_layers=3, ffn=768, scan_axis=1, tie_embeddings=True))
     batch = _tokens(cfg.vocab)
     params = jax.jit(lambda k: Llama(cfg).init(k, batch(0, 0, 0, 16)))(jax.random.key(0))
     return Case(linen_loss_fn(Llama(cfg), lambda apply, b: jnp.sum(apply(b))), params, batch, _loss_tokens, 16)
 
 
-def nnx_mlp() -> Case:
+def nnx_mlp(tiny: bool = False) -> Case:
     import jax.numpy as jnp
     from flax import nnx
     from jaxodc.models.nnx_mlp import Classifier
     from jaxodc.train.adapters import nnx_loss_fn
-    loss_fn, tree = nnx_loss_fn(Classifier(rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b)))
-    return Case(loss_fn, tree, _features(8, 5), _samples, 4, {"frozen": ("state/*",)})
+    d_in, width = (8, 16) if tiny else (64, 512)
+    loss_fn, tree = nnx_loss_fn(Classifier(d_in, width, rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b)))
+    return Case(loss_fn, tree, _features(d_in, 5), _samples, 4, {"frozen": ("state/*",)})
 
 
-# name -> Case builder. models/cnn.py (BatchNorm: mutable batch statistics) joins as one line,
-# `"cnn": cnn,`, once the trainers take a loss with mutable state.
-MODELS: dict[str, Callable[[], Case]] = {"mlp": mlp, "lm": lm, "llama": llama, "nnx_mlp": nnx_mlp}
+def cnn(tiny: bool = False) -> Case:
+    """linen conv + BatchNorm on scikit-learn's 8x8 digits, its `batch_stats` mutable: the trainers
+    (and the reference) make a minibatch's new statistics the image-weighted mean of its
+    microbatches' (docs/any_model.md, "Mutable state"). Microbatches hold 8 slots of which 6 to 8 are
+    images (the rest padding, masked out of the statistics), so the weights differ."""
+    import jax
+    import jax.numpy as jnp
+    from sklearn.datasets import load_digits
+    from jaxodc.models.cnn import CNN
+    from jaxodc.train.adapters import linen_loss_fn
+    model = CNN(features=(4, 8) if tiny else (128, 256, 256))
+    digits = load_digits()
+    x, y = np.asarray(digits.data, np.float32).reshape(-1, 8, 8, 1) / 16.0, np.asarray(digits.target, np.int32)
+
+    def batch(step, rank, j, size):
+        rs = np.random.RandomState([step, rank, j, 3])
+        idx = rs.randint(0, len(y), size)
+        mask = (np.arange(size) < max(1, size - (step + rank + j) % 3)).astype(np.float32)
+        return {"x": x[idx] * mask[:, None, None, None], "y": y[idx], "mask": mask}
+    params = jax.jit(model.init)(jax.random.key(0), batch(0, 0, 0, 8))
+    loss_fn = linen_loss_fn(model, lambda apply, b: jnp.sum(apply(b)), mutable=("batch_stats",))
+    return Case(loss_fn, params, batch, _samples, 8)
+
+
+# name -> Case builder (a new example model is one line here).
+MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "lm": lm, "llama": llama, "nnx_mlp": nnx_mlp, "cnn": cnn}
 
 
 def _args(argv):
@@ -119,6 +156,10 @@ def _args(argv):
     p.add_argument("--json", help="write the records here")
     p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     p.add_argument("--comms", default="odc,collective")
+    p.add_argument("--collective-transports", default="gloo",
+                   help="comm=collective over these: gloo (jax's collectives) and/or jaxodc (the lock-step "
+                        "collective over jaxodc's shm / tcp paths), e.g. gloo,jaxodc")
+    p.add_argument("--tiny", action="store_true", help="the models at their former sizes (kilobytes)")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="minibatches")
@@ -127,6 +168,7 @@ def _args(argv):
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--comm", help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="gloo", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -150,16 +192,19 @@ def main(argv: list[str]) -> int:
         pin_one_core(int(os.environ.get("JAXODC_LOCAL_RANK", "0")))  # one core per rank, before jax
         return worker(args)
     records = []
-    for comm in _list(args.comms):
+    runs = [(comm, t) for comm in _list(args.comms)
+            for t in (_list(args.collective_transports) if comm == "collective" else ["jaxodc"])]
+    for comm, transport in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, f"models_{comm}.json")
             fwd = ["--models", args.models, "--precisions", args.precisions, "--steps", str(args.steps),
-                   "--microbatches", str(args.microbatches), "--lr", str(args.lr)]
-            launch_ranks(args.ranks, "jaxodc.bench.models", ["--worker", "--comm", comm, "--out", out] + fwd,
+                   "--microbatches", str(args.microbatches), "--lr", str(args.lr)] + ["--tiny"] * args.tiny
+            launch_ranks(args.ranks, "jaxodc.bench.models",
+                         ["--worker", "--comm", comm, "--transport", transport, "--out", out] + fwd,
                          timeout_s=args.timeout)
             with open(out) as f:
                 records += json.load(f)
-    records.sort(key=lambda r: (list(MODELS).index(r["model"]), r["comm"], r["precision"]))
+    records.sort(key=lambda r: (list(MODELS).index(r["model"]), r["comm"], r["transport"], r["precision"]))
     bars = evaluate_bars(records)
     write_records(args.json, records + [dict(b, kind="bar") for b in bars])
     print_report(records, bars)
@@ -177,6 +222,14 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
 # ODC's gathers (whole unit, into a buffer, one buffer per parameter); XLA's all-gathers by opcode.
 _ODC_GATHER = re.compile(r'custom_call_target="jaxodc_odc_gather(_pieces|_into)?"')
 _ALL_GATHER = ("all-gather", "all-gather-start")
+# The collective over jaxodc's transport (ops.lockstep_collective): one custom call for every kind;
+# a gather is the one whose output is larger than its input (world x its shard).
+_LOCKSTEP = 'custom_call_target="jaxodc_lockstep"'
+
+
+def _numel(typ: str) -> int:
+    m = re.match(r"\w+\[([\d,]*)\]", typ)
+    return int(np.prod([int(d) for d in m.group(1).split(",") if d])) if m else 0
 
 
 def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
@@ -208,20 +261,25 @@ def _parse_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
 
 def gathered_peak_units(hlo: str) -> tuple[int, int]:
     """(largest number of gathers whose unit is alive at once, number of gathers) in the compiled
-    step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call or
-    an all-gather) is alive from its instruction to the last use of any value still holding its
-    unit (_HOLDERS). XLA assigns buffers by this schedule, so this counts the gathered units the
-    step's memory holds at once, whatever the model code intended."""
+    step `hlo` (`compiled.as_text()`, scheduled). A gather (ODC's `jaxodc_odc_gather` custom call,
+    an all-gather, or a lock-step collective whose output is larger than its input) is alive from
+    its instruction to the last use of any value still holding its unit (_HOLDERS). XLA assigns
+    buffers by this schedule, so this counts the gathered units the step's memory holds at once,
+    whatever the model code intended."""
     instrs = _parse_entry(hlo)
     types = {name: typ for name, typ, *_ in instrs}
     scalar = lambda a: re.fullmatch(r"\w+\[\](\{\})?", types.get(a, "")) is not None  # noqa: E731
     holds: dict[str, set[int]] = {}  # value -> the gathers whose unit it holds
-    born, last = [], []
-    for i, (name, _, op, operands, attrs) in enumerate(instrs):
+    born, last, lockstep, lockstep_gathers = [], [], 0, 0
+    for i, (name, typ, op, operands, attrs) in enumerate(instrs):
         for a in operands:
             for g in holds.get(a, ()):
                 last[g] = i
-        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER:
+        is_lockstep = op == "custom-call" and _LOCKSTEP in attrs
+        step_gather = is_lockstep and bool(operands) and _numel(typ) > _numel(types.get(operands[0], ""))
+        lockstep += is_lockstep
+        lockstep_gathers += step_gather
+        if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER or step_gather:
             holds[name] = {len(born)}
             born.append(i)
             last.append(i)
@@ -233,9 +291,11 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
             holds[name] = src
     total = sum(1 for line in hlo.splitlines()
                 if _ODC_GATHER.search(line) or re.search(r"= \S+ (%s)\(" % "|".join(_ALL_GATHER), line))
-    if total != len(born):
-        raise RuntimeError(f"{total - len(born)} of {total} gathers sit outside the step's ENTRY computation "
-                           "(inside a loop or call); their lifetimes are not read")
+    outside = hlo.count(_LOCKSTEP) - lockstep  # lockstep calls (of any kind) outside ENTRY
+    if outside or total != len(born) - lockstep_gathers:
+        raise RuntimeError(f"{max(outside, total + lockstep_gathers - len(born))} gathers or lock-step collectives "
+                           "sit outside the step's ENTRY computation (inside a loop or call); their lifetimes "
+                           "are not read")
     peak = max((sum(b <= i <= l for b, l in zip(born, last)) for i in range(len(instrs))), default=0)
     return peak, len(born)
 
@@ -244,40 +304,68 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
 
 def _reference(case: Case, steps: int, counts: list[int], lr: float):
     """Single-process training (jaxodc.train.reference) of the float leaves on every rank's
-    microbatches of each step; other leaves (int, PRNG keys) stay. Returns (last loss, params)."""
+    microbatches of each step; other leaves (int, PRNG keys) stay. A loss returning (loss, new
+    state) (BatchNorm's batch_stats): the state's leaves are not trained; every microbatch starts
+    from the minibatch's state and the minibatch's new state is the count-weighted mean of its
+    microbatches' (docs/any_model.md, "Mutable state"). Returns (last loss, params)."""
     import jax
     import jax.numpy as jnp
     import optax
     from jaxodc.train.reference import ReferenceTrainer
+    example = jax.tree_util.tree_map(jnp.asarray, case.batch(0, 0, 0, case.size))
+    stateful = isinstance(jax.eval_shape(case.loss_sum, case.params, example), tuple)
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(case.params)[0]]
+    state_keys = tuple(f"{k}/" for k in jax.eval_shape(case.loss_sum, case.params, example)[1]) if stateful else ()
     leaves, tree = jax.tree_util.tree_flatten(case.params)
-    trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+    trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)
+               and not paths[i].startswith(state_keys)]
+    rest = list(leaves)  # the untrained leaves (the state among them, updated per minibatch)
 
-    class Floats:  # the loss over the trained leaves only
+    def full_of(floats, rest):
+        full = list(rest)
+        for i, x in zip(trained, floats):
+            full[i] = x
+        return jax.tree_util.tree_unflatten(tree, full)
+
+    class Floats:  # the loss over the trained leaves only; with state, the batch carries the rest
         @staticmethod
         def loss_sum(floats, batch):
-            full = list(leaves)
-            for i, x in zip(trained, floats):
-                full[i] = x
-            return case.loss_sum(jax.tree_util.tree_unflatten(tree, full), batch)
+            if stateful:
+                return case.loss_sum(full_of(floats, batch["rest"]), batch["mb"])[0]
+            return case.loss_sum(full_of(floats, rest), batch)
 
     ref = ReferenceTrainer(Floats, _optimizer(lr, optax.clip_by_global_norm), [leaves[i] for i in trained])
+    new_state = jax.jit(lambda floats, rest, b: case.loss_sum(full_of(floats, rest), b)[1]) if stateful else None
     loss = None
     for step in range(steps):
-        mbs = [case.batch(step, r, j, case.size) for r in range(len(counts)) for j in range(counts[r])]
-        loss = ref.step([jax.tree_util.tree_map(jnp.asarray, b) for b in mbs], sum(case.count(b) for b in mbs))
-    full = list(leaves)
-    for i, x in zip(trained, ref.params):
-        full[i] = x
-    return loss, jax.tree_util.tree_unflatten(tree, full)
+        mbs = [jax.tree_util.tree_map(jnp.asarray, case.batch(step, r, j, case.size))
+               for r in range(len(counts)) for j in range(counts[r])]
+        total_count = sum(case.count(b) for b in mbs)
+        if stateful:  # each microbatch's new state from the minibatch's state, before the update
+            sums = None
+            for b in mbs:
+                w = jax.tree_util.tree_map(lambda x: case.count(b) * np.asarray(x, np.float64),
+                                           new_state(ref.params, rest, b))
+                sums = w if sums is None else jax.tree_util.tree_map(np.add, sums, w)
+            weight = sum(case.count(b) for b in mbs)
+        loss = ref.step([{"mb": b, "rest": rest} for b in mbs] if stateful else mbs, total_count)
+        if stateful:
+            full = {**jax.tree_util.tree_unflatten(tree, rest),
+                    **jax.tree_util.tree_map(lambda x: np.float32(x / weight), sums)}
+            rest = jax.tree_util.tree_leaves(full)
+    return loss, full_of(ref.params, rest)
 
 
-def _max_diff(a, b) -> float:
+def _max_diff(a, b) -> tuple[float, str]:
+    """(largest absolute difference over the float leaves, the path of the leaf holding it)."""
     import jax
     import jax.numpy as jnp
-    diffs = [float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    diffs = [(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
+              jax.tree_util.keystr(p, simple=True, separator="/"))
+             for (p, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b))
              if jnp.issubdtype(jnp.asarray(y).dtype, jnp.floating) and np.size(y)]
-    return max(diffs, default=0.0)
+    return max(diffs, default=(0.0, ""))
 
 
 def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
@@ -296,7 +384,7 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     # ODC's receive slots at 1/SLOT_DIVISOR of the largest shard, as `bench train --memory` sizes
     # them (1 MiB of a 13.5 MiB shard): pushes go in chunks, the slots stay small beside the bound.
     shard = step.layout(case.params, W, example).largest // W
-    kw = {"slot_elems": max(1, shard // SLOT_DIVISOR)} if comm == "odc" else {}
+    kw = {"slot_elems": max(1, shard // SLOT_DIVISOR)} if comm == "odc" else {"transport": args.transport}
     tr = step.init(case.params, ctx=ctx, example_batch=example, **kw)
     loss = None
     for step in range(args.steps):
@@ -307,20 +395,24 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     hlo_peak, gathers = gathered_peak_units(acc.pop("mb_compiled").as_text())
     one = program_of(case.model, case.params, 1, example_batch=example, **case.policy)  # identity gathers
     act = program_activations(one, example, case.batch(0, 0, 0, 1), compute_dtype_of(precision))
-    floats = [x for x in jax.tree_util.tree_leaves(case.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    # the trained parameters (the layout's leaves: not constants such as BatchNorm's statistics)
+    floats = [jax.ShapeDtypeStruct(shape, jnp.float32) for u in tr.layout.units for shape in u.shapes]
     S = _nbytes(floats) + _nbytes(jax.eval_shape(optimizer.init, floats))  # trained parameters + Adam, unsharded
     unit = tr.layout.largest * 4
     shards = tr.local_shards()
     got = tr.allgather_obj({"shards": {k: v.tobytes() for k, v in shards.items()}, "peak": acc["peak_xla"],
                             "gathered": hlo_peak})
-    full = tr.program.unshard([{k: np.frombuffer(v, np.float32) for k, v in d["shards"].items()} for d in got])
+    full = tr.program.unshard([{k: np.frombuffer(v, np.float32) for k, v in d["shards"].items()} for d in got],
+                              tr.local_consts())  # with the current mutable state (batch_stats)
     tr.close()
-    return {"model": name, "comm": comm, "precision": precision, "ranks": W, "steps": args.steps,
+    return {"model": name, "comm": comm, "transport": "jaxodc" if comm == "odc" else args.transport,
+            "precision": precision, "ranks": W, "steps": args.steps, "params_bytes": _nbytes(floats),
             "loss_sharded": float(loss), "peak_bytes": max(d["peak"] for d in got),
             "bound_bytes": S / W + 3 * unit + act["activations"],
             "gathered_peak_units": max(d["gathered"] for d in got), "gathers": gathers,
             "units": len(tr.layout.units), "largest_unit": unit, "activations": act["activations"], "S": S,
-            "mb_phase": acc["mb_phase"], "opt_phase": acc["opt_phase"], **acc["native"],
+            "mb_phase": acc["mb_phase"], "opt_phase": acc["opt_phase"], "state_bytes": acc["state"],
+            "mb_step": acc["mb_step"], "opt_step": acc["opt_step"], **acc["native"],
             "opt_unitwise": getattr(tr, "unitwise", None) is not None, "_full": full}
 
 
@@ -331,14 +423,15 @@ def worker(args) -> int:
         init_jax_distributed(ctx)
     records, refs = [], {}
     for name in _list(args.models):
-        case = MODELS[name]()
+        case = MODELS[name](args.tiny)
         for precision in _list(args.precisions):
             rec = _run(ctx, name, case, args.comm, precision, args)
             full = rec.pop("_full")
             if ctx.rank == 0:
                 if name not in refs:
                     refs[name] = _reference(case, args.steps, [args.microbatches] * ctx.world, args.lr)
-                rec["loss_single"], rec["max_param_diff"] = float(refs[name][0]), _max_diff(full, refs[name][1])
+                rec["loss_single"] = float(refs[name][0])
+                rec["max_param_diff"], rec["max_param_diff_leaf"] = _max_diff(full, refs[name][1])
                 records.append(rec)
     if ctx.rank == 0:
         with open(args.out, "w") as f:
@@ -353,7 +446,7 @@ def evaluate_bars(records: list[dict]) -> list[dict]:
     """The three bars, one row per record they apply to: value, limit, ratio, met."""
     bars = []
     for r in records:
-        who = {k: r[k] for k in ("model", "comm", "precision", "ranks")}
+        who = {k: r[k] for k in ("model", "comm", "transport", "precision", "ranks")}
         if r["precision"] == "fp32":
             rel = abs(r["loss_sharded"] - r["loss_single"]) / max(abs(r["loss_single"]), 1e-30)
             bars.append({"bar": "fp32 loss = single-process (relative)", **who, "value": rel, "limit": LOSS_RTOL})
@@ -367,21 +460,21 @@ def evaluate_bars(records: list[dict]) -> list[dict]:
 
 
 def print_report(records: list[dict], bars: list[dict]) -> None:
-    tab = [{**{k: r[k] for k in ("model", "comm", "precision", "ranks", "steps", "loss_single", "loss_sharded",
-                                  "max_param_diff", "gathered_peak_units", "units")},
+    tab = [{**{k: r[k] for k in ("model", "comm", "transport", "precision", "ranks", "steps", "loss_single",
+                                  "loss_sharded", "max_param_diff", "gathered_peak_units", "units")},
             "peak_MiB": r["peak_bytes"] / MiB, "bound_MiB": r["bound_bytes"] / MiB,
             "peak/bound": r["peak_bytes"] / r["bound_bytes"]} for r in records]
     print("every example model, sharded vs single-process training (peak: accounted per rank, bound = S/W + 3 x "
           "largest unit + activations)")
-    print_table(tab, ["model", "comm", "precision", "ranks", "steps", "loss_single", "loss_sharded", "max_param_diff",
-                      "peak_MiB", "bound_MiB", "peak/bound", "gathered_peak_units", "units"])
+    print_table(tab, ["model", "comm", "transport", "precision", "ranks", "steps", "loss_single", "loss_sharded",
+                      "max_param_diff", "peak_MiB", "bound_MiB", "peak/bound", "gathered_peak_units", "units"])
     print()
     for title in dict.fromkeys(b["bar"] for b in bars):
         rows = [b for b in bars if b["bar"] == title]
         met = all(b["met"] for b in rows)
         worst = max(rows, key=lambda b: b["ratio"])
-        print(f"bar {title}: worst {worst['model']}/{worst['comm']}/{worst['precision']} {worst['value']:.4g} vs "
-              f"{worst['limit']:.4g} (ratio {worst['ratio']:.3f}) -> {'met' if met else 'NOT met'}"
+        print(f"bar {title}: worst {worst['model']}/{worst['comm']}/{worst['transport']}/{worst['precision']} "
+              f"{worst['value']:.4g} vs {worst['limit']:.4g} (ratio {worst['ratio']:.3f}) -> {'met' if met else 'NOT met'}"
               + ("" if met else f" ({sum(not b['met'] for b in rows)} of {len(rows)} records over)"))
 
 

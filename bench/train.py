@@ -68,6 +68,9 @@ def _args(argv):
     p.add_argument("--memory-slot-mib", type=float, default=1.0,
                    help="ODC receive slot per client, MiB (pushes travel in chunks of it; 0: a whole shard)")
     p.add_argument("--memory-comm", default="odc", help=argparse.SUPPRESS)
+    p.add_argument("--memory-collective-transport", default="gloo", choices=("gloo", "jaxodc"),
+                   help="--memory: the collective trainer's transport (jaxodc: the lock-step collective over "
+                        "jaxodc's shm / tcp paths; its buffers are counted in the accounted peak)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="--memory: the trainers' precision (bf16: gather, compute and send gradients in bf16)")
     p.add_argument("--straggle", action="append", default=[],
@@ -566,7 +569,7 @@ def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
 def _forward(args) -> list[str]:
     keys = ("minibatch", "reps", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
-            "memory_steps", "memory_slot_mib", "precision")
+            "memory_steps", "memory_slot_mib", "memory_collective_transport", "precision")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     return out + [x for s in args.straggle for x in ("--straggle", s)]
 

@@ -83,10 +83,16 @@ def accounted(tr, batch: dict) -> dict:
         gb = {k: tr._global(v) for k, v in batch.items()}
         acc = {n: tr._global(np.zeros(tr.layout[n].shard, np.float32)) for n in tr.layout.names}
         counts = tr._global(np.zeros(3, np.int32))
-        mb_c = _compiled(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0))
+        state_acc = tr._global(np.zeros(tr._state_size, np.float32))  # the mutable state's weighted sums
+        mb_c = _compiled(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0),
+                         state_acc)
         mb, opt = _memory(mb_c), _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
-        mb_phase = opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
-        opt_phase = _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+        # transport="jaxodc": the lock-step group's buffers, outside XLA, alive all the time
+        outside = lockstep_bytes(tr.group) if tr.group is not None else 0
+        if tr.group is not None:
+            native = {"lockstep_bytes": outside}
+        mb_phase = outside + opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
+        opt_phase = outside + _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
     else:
         st = tr.rt.stats()
         native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
@@ -112,6 +118,21 @@ def accounted(tr, batch: dict) -> dict:
             opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
     return {"state": state, "mb_step": mb, "opt_step": opt, "native": native, "mb_phase": mb_phase,
             "opt_phase": opt_phase, "peak_xla": max(mb_phase, opt_phase), "mb_compiled": mb_c}
+
+
+def lockstep_bytes(group) -> int:
+    """This rank's memory in a `LockstepGroup` (csrc/lockstep/group.cc): its shm segment (a 256-byte
+    header, a post table of two 16-byte entries per channel, then two areas per channel of the
+    channel's input, each 64-byte aligned; the whole page-aligned) and, per tcp peer, receive
+    double buffers of every channel's n elements."""
+    up = lambda x, a: (x + a - 1) // a * a  # noqa: E731
+    nc = len(group.channels)
+    off = up(256 + 16 * 2 * nc, 64)
+    for c in range(nc):
+        for _ in range(2):
+            off = up(off + group.in_size(c) * 4, 64)
+    tcp = sum(link == "tcp" for link in group.links)
+    return up(off, 4096) + tcp * 2 * 4 * sum(c.n for c in group.channels)
 
 
 def _step_peak(ma: dict) -> int:
@@ -189,7 +210,8 @@ def worker(args) -> int:
     unit = layout.largest * 4
     rt = None
     if comm == "collective":
-        tr = CollectiveTrainer(model, optimizer, params, precision=args.precision)
+        tr = CollectiveTrainer(model, optimizer, params, precision=args.precision,
+                               transport=args.memory_collective_transport)
     else:
         rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
         tr = OdcTrainer(model, optimizer, params, rt, precision=args.precision)
@@ -213,7 +235,10 @@ def worker(args) -> int:
     masters = {rt.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
     live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
                if not (masters and a.unsafe_buffer_pointer() in masters))
-    native_live = (rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else 0
+    # The ODC runtime's segment and accumulators, or the lock-step group's segment (transport
+    # "jaxodc"): shm pages, which the transient below leaves out with the peers' mapped segments.
+    native_live = ((rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else
+                   lockstep_bytes(tr.group) if tr.group is not None else 0)
     _reset_peak()
     before = _status()
     for step in range(1, args.memory_steps + 1):
@@ -232,7 +257,8 @@ def worker(args) -> int:
     state, mb, opt, native = acc["state"], acc["mb_step"], acc["opt_step"], acc["native"]
     mb_phase, opt_phase, peak_xla = acc["mb_phase"], acc["opt_phase"], acc["peak_xla"]
     bound = S / W + 3 * unit + act["activations"]
-    rec = {"kind": "memory", "comm": comm, "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
+    rec = {"kind": "memory", "comm": comm, "transport": "jaxodc" if rt else args.memory_collective_transport,
+           "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase,

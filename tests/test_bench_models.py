@@ -62,3 +62,26 @@ def test_gathered_units_follow_the_schedule():
                          '%t1 = (f32[4]{0}, f32[4]{0}) custom-call(%s1, %v), custom_call_target="jaxodc_odc_gather_pieces"\n'
                          '  %g1 = f32[4]{0} get-tuple-element(%t1), index=1')
     assert gathered_peak_units(pieces) == (2, 3)
+
+
+def test_lockstep_gathers_are_counted():
+    from jaxodc.bench.models import gathered_peak_units
+    # jaxodc's lock-step collective (one custom call for every kind): a gather is larger out than in
+    lock = HLO.replace('custom_call_target="jaxodc_odc_gather"', 'custom_call_target="jaxodc_lockstep"')
+    assert gathered_peak_units(lock) == (2, 3)
+    scatter = lock + '%fused { %r = f32[4]{0} custom-call(%g), custom_call_target="jaxodc_lockstep" }\n'
+    try:  # a lock-step call outside ENTRY: refused, not undercounted
+        gathered_peak_units(scatter)
+        raise AssertionError("expected a refusal")
+    except RuntimeError as e:
+        assert "outside the step's ENTRY" in str(e)
+
+
+def test_lockstep_bytes_is_the_segment_mapped():
+    from jaxodc.bench.train_memory import lockstep_bytes
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+    chs = [Channel("gather", 1000, "a"), Channel("scatter", 777, "b"), Channel("reduce", 1, "c")]
+    with LockstepGroup(chs, rank=0, world=1, allgather=lambda b: [b], job_id=f"t{os.getpid()}") as g:
+        sizes = [int(b, 16) - int(a, 16) for a, b in
+                 (line.split()[0].split("-") for line in open("/proc/self/maps") if f"t{os.getpid()}_lockstep" in line)]
+        assert sizes == [lockstep_bytes(g)], (sizes, lockstep_bytes(g))
