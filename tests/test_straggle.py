@@ -26,7 +26,7 @@ def test_parse_round_trips():
     assert parse_straggle(s.spec()) == s
     assert parse_straggle(" p = 0.5 ") == Straggle(p=0.5)
     assert parse_straggle("none") is None and parse_straggle("") is None and parse_straggle(None) is None
-    assert parse_straggle("default") == Straggle.default() == Straggle(rank_p=0.1, factor=3.0, seed=0)
+    assert parse_straggle("default") == Straggle.default() == Straggle(p=0.05, rank_p=0.05, factor=3.0, seed=0)
     assert Straggle.default().spec() == "p=0.05,rank_p=0.05,factor=3,seed=0"
     assert parse_straggle(Straggle.default().spec()) == Straggle.default()
     both = parse_straggle("p=0.1,rank_p=0.2,factor=2")
