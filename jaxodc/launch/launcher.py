@@ -346,13 +346,18 @@ def pin_one_core(index: int = 0) -> int | None:
     return core
 
 
+def rank_pythonpath() -> str:
+    """PYTHONPATH for rank processes: the directory holding this jaxodc/ first, then the caller's."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
 def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
     """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
     RANK_ENV); raises SystemExit naming the module when a rank fails."""
     os.environ.update(RANK_ENV)
     os.environ.update(env or {})
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds jaxodc/
-    os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ["PYTHONPATH"] = rank_pythonpath()
     status = main(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)
     if status != 0:
         raise SystemExit(f"ranks of {module} failed with status {status}")
