@@ -23,7 +23,7 @@ import threading
 import time
 
 from jaxodc.launch.context import free_port
-from jaxodc.launch.launcher import RANK_ENV
+from jaxodc.launch.launcher import rank_env_defaults, rank_pythonpath
 
 MB = 1 << 20
 
@@ -140,10 +140,7 @@ def _readline(p, timeout_s):
 
 
 def run_world(world: int, plan: dict, timeout_s: float) -> list[dict]:
-    env = dict(os.environ)
-    env.update(RANK_ENV)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {**os.environ, **rank_env_defaults(), "PYTHONPATH": rank_pythonpath()}
     port = free_port()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(r), str(world), str(port)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

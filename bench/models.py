@@ -151,6 +151,12 @@ def cnn(tiny: bool = False) -> Case:
 MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "lm": lm, "llama": llama, "nnx_mlp": nnx_mlp, "cnn": cnn}
 
 
+# XLA:CPU's default kernels compute a bf16 convolution in fp32 (bf16 operands converted to fp32
+# copies, an fp32 result cast back), so a bf16 convolution unit costs its step about three fp32 units;
+# its oneDNN path computes it in bf16, as a GPU does. The bench runs with it (records' `xla_flags`).
+ONEDNN = "--xla_cpu_use_onednn=true"
+
+
 def _args(argv):
     p = argparse.ArgumentParser(prog="jaxodc bench models", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the records here")
@@ -166,6 +172,8 @@ def _args(argv):
     p.add_argument("--microbatches", type=int, default=2, help="per rank per minibatch")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--no-onednn", dest="onednn", action="store_false",
+                   help="run XLA:CPU's default kernels, which compute bf16 convolutions in fp32 (see ONEDNN)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--comm", help=argparse.SUPPRESS)
     p.add_argument("--transport", default="gloo", help=argparse.SUPPRESS)
@@ -191,6 +199,8 @@ def main(argv: list[str]) -> int:
     if args.worker:
         pin_one_core(int(os.environ.get("JAXODC_LOCAL_RANK", "0")))  # one core per rank, before jax
         return worker(args)
+    if args.onednn:  # the ranks inherit it (launcher.rank_env_defaults keeps the caller's flags)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONEDNN}".strip()
     records = []
     runs = [(comm, t) for comm in _list(args.comms)
             for t in (_list(args.collective_transports) if comm == "collective" else ["jaxodc"])]
@@ -431,6 +441,7 @@ def worker(args) -> int:
                 if name not in refs:
                     refs[name] = _reference(case, args.steps, [args.microbatches] * ctx.world, args.lr)
                 rec["loss_single"] = float(refs[name][0])
+                rec["xla_flags"] = os.environ.get("XLA_FLAGS", "")
                 rec["max_param_diff"], rec["max_param_diff_leaf"] = _max_diff(full, refs[name][1])
                 records.append(rec)
     if ctx.rank == 0:

@@ -349,3 +349,14 @@ def test_harness_removes_job_shared_memory():
     paths = run_ranks(_make_shm, 2, timeout_s=30)
     assert len(set(paths)) == 2
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_rank_env_keeps_the_callers_xla_flags():
+    """The ranks' XLA_FLAGS are the launcher's plus the caller's; a flag both set is the caller's."""
+    from jaxodc.launch.launcher import RANK_ENV, rank_env_defaults
+    assert rank_env_defaults({})["XLA_FLAGS"] == RANK_ENV["XLA_FLAGS"]
+    env = rank_env_defaults({"XLA_FLAGS": "--xla_cpu_use_onednn=true --xla_cpu_multi_thread_eigen=true"})
+    assert env["XLA_FLAGS"].split() == ["--xla_cpu_use_onednn=true", "--xla_cpu_multi_thread_eigen=true"]
+    env = rank_env_defaults({"XLA_FLAGS": "--xla_dump_to=/tmp/x"})
+    assert env["XLA_FLAGS"].split() == RANK_ENV["XLA_FLAGS"].split() + ["--xla_dump_to=/tmp/x"]
+    assert env["JAX_PLATFORMS"] == "cpu" and env["OMP_NUM_THREADS"] == "1"

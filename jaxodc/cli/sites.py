@@ -182,8 +182,8 @@ def read_records(json_path: str, site: int) -> list[dict]:
 def start_site(args, worker_argv: list[str], site: int, coord: str, secret_file: str, *, stdout=None,
                stderr=None) -> subprocess.Popen:
     """`jaxodc launch -n W` of one site's ranks, in its own session (a site ends as one)."""
-    from jaxodc.launch.launcher import RANK_ENV, rank_pythonpath
-    env = {**os.environ, **RANK_ENV, "PYTHONPATH": rank_pythonpath()}
+    from jaxodc.launch.launcher import rank_env_defaults, rank_pythonpath
+    env = {**os.environ, **rank_env_defaults(), "PYTHONPATH": rank_pythonpath()}
     argv = list(worker_argv) + ["--coord", coord, "--site", str(site), "--secret-file", secret_file]
     cmd = [sys.executable, "-m", "jaxodc", "launch", "-n", str(args.ranks), "--timeout", str(int(args.timeout)),
            "-m", "jaxodc.cli.train"] + argv

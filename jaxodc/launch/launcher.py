@@ -333,6 +333,16 @@ def _report_tail(r: _Rank) -> None:
 RANK_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
 
 
+def rank_env_defaults(environ=None) -> dict:
+    """RANK_ENV over `environ` (default os.environ), keeping the caller's own XLA_FLAGS: ours are
+    prepended, so a flag the caller set (e.g. --xla_cpu_use_onednn) survives and wins."""
+    environ = os.environ if environ is None else environ
+    ours, theirs = RANK_ENV["XLA_FLAGS"].split(), environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in theirs}
+    flags = [f for f in ours if f.split("=", 1)[0] not in names] + theirs
+    return {**RANK_ENV, "XLA_FLAGS": " ".join(flags)}
+
+
 def pin_one_core(index: int = 0) -> int | None:
     """Pin this process to one of its allowed cores (`index` modulo their count), before jax is
     imported: XLA sizes its intra-op thread pool from the CPU affinity, so without this a rank
@@ -355,7 +365,7 @@ def rank_pythonpath() -> str:
 def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
     """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
     RANK_ENV); raises SystemExit naming the module when a rank fails."""
-    os.environ.update(RANK_ENV)
+    os.environ.update(rank_env_defaults())
     os.environ.update(env or {})
     os.environ["PYTHONPATH"] = rank_pythonpath()
     status = main(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)

@@ -73,7 +73,8 @@ def staged_program(model, params: Mapping, world: int) -> Program:
 
     def grad(gather: GatherFn, compute_dtype=jnp.float32):
         g = microbatch_grad(model, layout, gather)  # stages take the gathered dtype as it comes
-        return lambda shards, consts, batch, count, gather_arg: g(shards, batch, count, gather_arg)
+        return lambda shards, consts, batch, count, gather_arg: g(
+            shards, cast_inputs(batch, compute_dtype), count, gather_arg)
 
     return Program(layout, (), grad, lambda p, rank: shard_params(layout, p, rank),
                    lambda shards, consts=None: unshard_params(layout, shards), "staged")
@@ -128,13 +129,14 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
 
     def grad(gather, compute_dtype=jnp.float32):
         g = microbatch_grad_any(loss, plan, gather, has_aux=state is not None, compute_dtype=compute_dtype)
-        if state is None:
-            return g
 
-        def with_state(shards, consts, batch, count, gather_arg):
-            (l, new), grads = g(shards, consts, batch, count, gather_arg)
+        def step(shards, consts, batch, count, gather_arg):
+            out, grads = g(shards, consts, cast_inputs(batch, compute_dtype), count, gather_arg)
+            if state is None:
+                return out, grads
+            l, new = out  # the state's weights come from the batch as given (its masks in fp32)
             return (l, state.weighted(new, batch)), grads
-        return with_state
+        return step
 
     def unshard(shards, current=None):
         return unshard_tree(plan, shards, list(consts if current is None else current))
@@ -143,6 +145,19 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
 
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def cast_inputs(batch, compute_dtype):
+    """The microbatch as the loss sees it under mixed precision: its floating leaves (images,
+    features, masks) in the compute dtype, as FSDP2 casts a module's forward inputs
+    (`cast_forward_inputs`). Without it a float input promotes every layer it meets back to fp32
+    (flax computes in the promoted dtype of input and kernel), so bf16 would only round the weights.
+    Integer leaves (tokens, labels, positions) are left alone."""
+    if jnp.dtype(compute_dtype) == jnp.float32:
+        return batch
+    import jax
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, batch)
 
 
 def compute_dtype_of(precision: str):
