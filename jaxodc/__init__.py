@@ -18,6 +18,7 @@ _PUBLIC = {
     "Trainer": "jaxodc.train.api",
     "sharded_step": "jaxodc.train.api",
     "ShardedStep": "jaxodc.train.api",
+    "MixedPrecision": "jaxodc.train.precision",
     "ShardedTrainer": "jaxodc.train.core",
     "StepResult": "jaxodc.train.core",
     "ConfigMismatchError": "jaxodc.train.core",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from jaxodc.train.checkpoint import CheckpointError
     from jaxodc.train.core import ConfigMismatchError, ShardedTrainer, StepResult
     from jaxodc.train.metrics import MinibatchRecord
+    from jaxodc.train.precision import MixedPrecision
 
 
 def __getattr__(name):

@@ -40,6 +40,15 @@ COLLECTIVE_NOTE = ("(collective microbatch intervals include time blocked inside
 TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
 
 
+def _precision(text: str) -> str:
+    """--precision's value, checked and in its canonical spelling (train.precision)."""
+    from jaxodc.train.precision import precision_of
+    try:
+        return str(precision_of(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small model with the sharded trainer.")
     a = p.add_argument
@@ -72,8 +81,10 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--compress", default="none", help="TAGC gradient compression: none, default (the big non-attention "
                                          "matrices, kept fraction 0.05, sketch ratio 10) or key=value pairs "
                                          "over fraction, ratio, min_elems, seed")
-    a("--precision", default="fp32", choices=("fp32", "bf16"),
-      help="bf16: gather, compute and send gradients in bf16 (fp32 master shards, optimizer, sums)")
+    a("--precision", default="fp32", type=_precision,
+      help="fp32, or bf16: gather, compute and send gradients in bf16 (fp32 master shards, optimizer, "
+           "sums); bf16,reduce=fp32: the collective reduce-scatters in fp32; ,keep_inputs: float inputs "
+           "stay fp32 (jaxodc.MixedPrecision)")
     a("--transport", default="auto", help="ODC transport between ranks: auto, shm or tcp")
     a("--collective-transport", default="gloo", choices=("gloo", "jaxodc"),
       help="the collective trainer's collectives: jax's (gloo on CPU) or jaxodc's lock-step shm / tcp ones")

@@ -38,7 +38,8 @@ from jaxodc.train.core import ShardedTrainer, check_same, train_loop
 from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
 from jaxodc.balance.packing import pack
-from jaxodc.train.program import Program, compute_dtype_of, program_of
+from jaxodc.train.precision import MixedPrecision, precision_of
+from jaxodc.train.program import Program, program_of
 from jaxodc.train.straggle import Straggle
 from jaxodc.train.units import Layout, StagedModel
 
@@ -89,9 +90,10 @@ class ShardedStep:
     """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc",
-                 compress: Compression | None = None, unit_policy: dict | None = None, precision: str = "fp32"):
+                 compress: Compression | None = None, unit_policy: dict | None = None,
+                 precision: str | MixedPrecision = "fp32"):
         validate_run(comm, None)
-        compute_dtype_of(precision)  # checked here, before any rank starts
+        precision = precision_of(precision)  # checked here, before any rank starts
         if not hasattr(optimizer, "update"):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if compress is not None and not isinstance(compress, Compression):
@@ -127,7 +129,7 @@ class ShardedStep:
                                             jax.eval_shape(self.optimizer.init, shapes))
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
                 "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
-                **setting_of(self.compression_plan(params, world, example_batch)), "precision": self.precision}
+                **setting_of(self.compression_plan(params, world, example_batch)), "precision": str(self.precision)}
 
     def init(self, params, *, ctx=None, runtime=None, check: bool = True, example_batch=None,
              **runtime_kwargs) -> ShardedTrainer:
@@ -182,7 +184,7 @@ class ShardedStep:
 
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
                  comm: str = "odc", compress: Compression | None = None, unit_policy: dict | None = None,
-                 precision: str = "fp32"):
+                 precision: str | MixedPrecision = "fp32"):
     """The sharded trainer builder for a model or a per-unit function.
 
     Args:
@@ -201,8 +203,10 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       unit_policy: for a loss function, `train.discover.discover_units`' options (units=,
         stacked=, frozen=, max_unit_bytes=), and with mutable state count_fn= (batch -> the
         microbatch's count; default the sum of batch["loss_mask"] or batch["mask"]).
-      precision: "fp32" or "bf16": FSDP2's mixed precision -- fp32 master shards and optimizer,
-        units gathered and computed in bf16, gradients sent in bf16 and summed in fp32.
+      precision: "fp32", "bf16" or a `MixedPrecision` (`jaxodc.train.precision`): FSDP2's mixed
+        precision -- fp32 master shards and optimizer, units gathered and computed in bf16, the
+        batch's float leaves cast to bf16, gradients sent in the reduce dtype (bf16 unless
+        `MixedPrecision(reduce_dtype="fp32")` or "bf16,reduce=fp32") and summed in fp32.
 
     Returns:
       A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
@@ -251,7 +255,7 @@ class Trainer:
       compress: TAGC gradient compression (`jaxodc.compress.Compression`: which parameters, kept
         fraction, sketch ratio), None for none; records then report wire bytes, kept fraction and
         peeled / estimated counts.
-      precision: "fp32" or "bf16" (mixed precision, see `sharded_step`).
+      precision: "fp32", "bf16" or a `MixedPrecision` (see `sharded_step`).
       straggle: straggler injection (`jaxodc.train.straggle.Straggle`; records then carry the
         injected seconds per microbatch), None for none; every rank the same (checked).
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
@@ -266,7 +270,7 @@ class Trainer:
     def __init__(self, model, optimizer: optax.GradientTransformation, *, comm: str = "odc",
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
-                 compress: Compression | None = None, precision: str = "fp32", straggle: Straggle | None = None,
+                 compress: Compression | None = None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
                  **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:

@@ -22,7 +22,8 @@ from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_redu
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatches_for,
                                optimizer_step, plan_global_tokens)
-from jaxodc.train.program import compute_dtype_of, program_of
+from jaxodc.train.precision import MixedPrecision, precision_of
+from jaxodc.train.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
 
 AXIS = "d"
@@ -162,7 +163,8 @@ class CollectiveTrainer(ShardedTrainer):
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
                  compress: CompressionPlan | None = None, transport: str = "gloo", lockstep: dict | None = None,
-                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None, **unit_policy):
+                 example_batch=None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
+                 **unit_policy):
         if transport not in TRANSPORTS:
             raise ValueError(f"CollectiveTrainer: transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "jaxodc" and compress is not None:
@@ -171,7 +173,8 @@ class CollectiveTrainer(ShardedTrainer):
         if jax.local_device_count() != 1:
             raise ValueError(f"CollectiveTrainer wants one device per process, this process has {jax.local_device_count()}")
         self.model, self.optimizer = model, optimizer
-        self.precision, compute_dtype = precision, compute_dtype_of(precision)
+        self.precision = policy = precision_of(precision)
+        compute_dtype = policy.compute_dtype
         self.world, self.rank = jax.device_count(), jax.process_index()
         self.straggle = straggle
         if straggle is not None:
@@ -192,7 +195,7 @@ class CollectiveTrainer(ShardedTrainer):
         if check:
             self.check_same({"layout fingerprint": self.layout.fingerprint()}, "parameter layout")
             self.check_same({"transport": transport}, "collective transport")
-            self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
+            self.check_same({**setting_of(compress), "precision": str(policy)}, "compression and precision setting")
         self.compress = compress
         self.exchanges = exchanges = self._exchanges(compress)  # unit name -> its static compressed exchange
         self.gradient_wire = {n: exchanges[n].wire if n in exchanges else
@@ -217,7 +220,7 @@ class CollectiveTrainer(ShardedTrainer):
         else:
             gather = collective_gather(AXIS, exchanges, compute_dtype)
             new_sum = lambda _: (lambda x: jax.lax.psum(x, AXIS))  # noqa: E731
-        grad_fn = self.program.grad(gather, compute_dtype)
+        grad_fn = self.program.grad(gather, compute_dtype, cast=policy.cast_inputs)
         no_counts = jnp.zeros((3, 2), jnp.float32)
 
         state = self.program.state

@@ -18,7 +18,8 @@ from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
 from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_step, optimizer_updates,
                                plan_global_tokens)
-from jaxodc.train.program import compute_dtype_of, program_of
+from jaxodc.train.precision import MixedPrecision, precision_of
+from jaxodc.train.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
 from jaxodc.train.unitwise import UnitwiseOptimizer
 
@@ -74,7 +75,9 @@ def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = No
     Args:
       runtime: the `jaxodc.odc.Runtime` whose units are the layout's units, registered padded.
       compute_dtype: the dtype the unit is gathered and computed in (fp32, or bf16 under mixed
-        precision); its gradient is pushed in it too and accumulated in fp32 by the owner.
+        precision); its gradient is pushed in it too and accumulated in fp32 by the owner. (A
+        bf16 unit's cotangent is bf16, so pushing it in fp32 would carry the same values in twice
+        the bytes: the policy's reduce dtype does not apply to ODC, whose sums are fp32 anyway.)
       per_leaf: push each parameter's gradient on its own (`odc_gather_pieces`), never
         concatenating a unit's gradient (default: on the CPU backend, where range pushes exist).
 
@@ -119,8 +122,9 @@ class OdcTrainer(ShardedTrainer):
         csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
         runtime and are not checkpointed (a restore continues with the residuals it has).
       example_batch: a microbatch to trace a loss function on (program.traced_program).
-      precision: "fp32", or "bf16" (FSDP2's mixed precision: units gathered and computed in bf16,
-        gradients pushed in bf16 and accumulated in fp32 by the owners; masters and optimizer fp32).
+      precision: "fp32", "bf16" or a `train.precision.MixedPrecision` (FSDP2's mixed precision:
+        units gathered and computed in bf16, float inputs cast, gradients pushed in bf16 and
+        accumulated in fp32 by the owners; masters and optimizer fp32).
       straggle: straggler injection (train.straggle.Straggle), None for none; settable later as
         `trainer.straggle`.
       **unit_policy: how a loss function's units are found (train.discover.discover_units).
@@ -130,9 +134,10 @@ class OdcTrainer(ShardedTrainer):
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, runtime: OdcRuntime, *,
                  gather: GatherFn | None = None, owns_runtime: bool = False, compress: CompressionPlan | None = None,
-                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None, **unit_policy):
+                 example_batch=None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
+                 **unit_policy):
         self.model, self.optimizer, self.rt, self._owns_runtime = model, optimizer, runtime, owns_runtime
-        self.precision, compute_dtype = precision, compute_dtype_of(precision)
+        self.precision = policy = precision_of(precision)
         self.world, self.rank = runtime.world, runtime.rank
         self.straggle = straggle
         if straggle is not None:
@@ -147,7 +152,8 @@ class OdcTrainer(ShardedTrainer):
         shards = {n: jnp.asarray(s) for n, s in self.program.shard(params, self.rank).items()}
         self.opt_state = optimizer.init(shards)
         self._state_unit = self._check_state_unit()
-        grad_fn = self.program.grad(gather or odc_gather_fn(runtime, compute_dtype), compute_dtype)
+        grad_fn = self.program.grad(gather or odc_gather_fn(runtime, policy.compute_dtype), policy.compute_dtype,
+                                    cast=policy.cast_inputs)
         def mb_step(s, c, b, n, v):
             # The (zero) shard gradients carry the pushes' ordering tokens. One element of each is
             # returned so the backward pass stays live and ordered before the result, without
@@ -187,7 +193,7 @@ class OdcTrainer(ShardedTrainer):
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
         self._rt_base = 0
-        self.check_same({**setting_of(compress), "precision": precision}, "compression and precision setting")
+        self.check_same({**setting_of(compress), "precision": str(policy)}, "compression and precision setting")
         self._traffic_seen = self._traffic()
         self._publish(shards, 0)
         if self._state_unit is not None:

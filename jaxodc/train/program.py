@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc.train.core import GatherFn, microbatch_grad
+from jaxodc.train.precision import cast_inputs, compute_dtype_of  # noqa: F401 -- compute_dtype_of: re-exported
 from jaxodc.train.units import Layout, make_layout, shard_params, unshard_params
 
-# (gather, compute dtype) -> fn(shards, consts, batch, global_count, gather_arg) -> (loss, grads w.r.t.
-# shards); the gather returns units in the compute dtype (fp32, or bf16 under mixed precision).
+# (gather, compute dtype, cast=True) -> fn(shards, consts, batch, global_count, gather_arg) -> (loss,
+# grads w.r.t. shards); the gather returns units in the compute dtype (fp32, or bf16 under mixed
+# precision), and with `cast` the batch's float leaves are cast to it too (train.precision).
 GradBuilder = Callable[[GatherFn, Any], Callable]
 
 
@@ -71,10 +73,11 @@ def staged_program(model, params: Mapping, world: int) -> Program:
     """The program of a unit-staged model: one unit per top-level key of `params`."""
     layout = make_layout(params, world, order=model.unit_names)
 
-    def grad(gather: GatherFn, compute_dtype=jnp.float32):
+    def grad(gather: GatherFn, compute_dtype=jnp.float32, cast: bool = True):
         g = microbatch_grad(model, layout, gather)  # stages take the gathered dtype as it comes
+        dtype = compute_dtype if cast else jnp.float32
         return lambda shards, consts, batch, count, gather_arg: g(
-            shards, cast_inputs(batch, compute_dtype), count, gather_arg)
+            shards, cast_inputs(batch, dtype), count, gather_arg)
 
     return Program(layout, (), grad, lambda p, rank: shard_params(layout, p, rank),
                    lambda shards, consts=None: unshard_params(layout, shards), "staged")
@@ -127,11 +130,12 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
         state = ModelState(paths, tuple(at[p] for p in paths), tuple(x.shape for x in leaves),
                            tuple(x.dtype for x in leaves), count_fn or default_count)
 
-    def grad(gather, compute_dtype=jnp.float32):
+    def grad(gather, compute_dtype=jnp.float32, cast: bool = True):
         g = microbatch_grad_any(loss, plan, gather, has_aux=state is not None, compute_dtype=compute_dtype)
+        dtype = compute_dtype if cast else jnp.float32
 
         def step(shards, consts, batch, count, gather_arg):
-            out, grads = g(shards, consts, cast_inputs(batch, compute_dtype), count, gather_arg)
+            out, grads = g(shards, consts, cast_inputs(batch, dtype), count, gather_arg)
             if state is None:
                 return out, grads
             l, new = out  # the state's weights come from the batch as given (its masks in fp32)
@@ -142,29 +146,6 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
         return unshard_tree(plan, shards, list(consts if current is None else current))
 
     return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state)
-
-
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-
-
-def cast_inputs(batch, compute_dtype):
-    """The microbatch as the loss sees it under mixed precision: its floating leaves (images,
-    features, masks) in the compute dtype, as FSDP2 casts a module's forward inputs
-    (`cast_forward_inputs`). Without it a float input promotes every layer it meets back to fp32
-    (flax computes in the promoted dtype of input and kernel), so bf16 would only round the weights.
-    Integer leaves (tokens, labels, positions) are left alone."""
-    if jnp.dtype(compute_dtype) == jnp.float32:
-        return batch
-    import jax
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, batch)
-
-
-def compute_dtype_of(precision: str):
-    """The dtype units are gathered and computed in under `precision` ("fp32" or "bf16")."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    return PRECISIONS[precision]
 
 
 def program_of(model, params, world: int, *, example_batch=None, **policy) -> Program:
