@@ -24,6 +24,7 @@ from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatche
                                optimizer_step, plan_global_tokens)
 from jaxodc.train.program import compute_dtype_of, program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
+from jaxodc.train.units import flat_from_pieces
 
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
@@ -53,42 +54,90 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     The unit travels and is returned in `compute_dtype` (bf16 under mixed precision: half the
     bytes both ways); the shard's gradient comes back in fp32.
 
+    A unit of the per_leaf sharding (train.units; the trainer's default) travels one parameter at
+    a time: forward, each leaf's slice of the shard is all-gathered into a buffer of its own and
+    the unit is returned cut into its leaves; backward, each leaf's cotangent is psum_scattered on
+    its own and the slices are concatenated into the shard's gradient. Neither the flat unit nor
+    its flat gradient is ever built: the copies are shard-sized (P/W), where a contiguous unit
+    costs a gathered flat unit, copies of the leaves cut out of it and a concatenated flat
+    cotangent. A contiguous unit travels flat.
+
     Units named in `exchanges` travel compressed in the backward pass (compress.collective). Their
     `shard` argument is the triple (shard, residual, carrier): the cotangent returned for the
     residual is this rank's next residual (it replaces the old one, never adds to it) and the one for
     the carrier float32 [3, 2] holds the owner's peeled and estimated counts and this rank's kept
-    count (`_carrier_to_counts`).
+    count (`_carrier_to_counts`). A per_leaf unit's cotangent is laid out flat for the compressed
+    exchange (one unit-sized copy, as before).
     """
 
-    @jax.custom_vjp
-    def gather(shard):
+    def gather_flat(shard):
         return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
 
-    def fwd(shard):
-        return gather(shard), None
+    def gather_leaves(spec):
+        def run(shard):
+            x, out = shard.astype(compute_dtype), []
+            for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards()):
+                g = jax.lax.all_gather(x[off:off + s], axis, tiled=True)
+                out.append(g if g.shape[0] == n else g[:n])
+            return tuple(out)
+        return run
 
-    def bwd(_, ct):
-        return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32),)
+    def scatter_leaves(spec, cts):
+        parts = []
+        for ct, (_, n), (_, s) in zip(cts, spec.leaf_pieces(), spec.leaf_shards()):
+            ct = ct if ct.shape[0] == spec.world * s else jnp.pad(ct, (0, spec.world * s - n))
+            parts.append(jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32))
+        tail = spec.shard - sum(s for _, s in spec.leaf_shards())
+        if tail:
+            parts.append(jnp.zeros((tail,), jnp.float32))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    gather.defvjp(fwd, bwd)
+    def dense(spec):
+        forward = gather_leaves(spec) if spec.per_leaf else gather_flat
 
-    def compressed(ex: UnitExchange):
+        @jax.custom_vjp
+        def gather(shard):
+            return forward(shard)
+
+        def fwd(shard):
+            return gather(shard), None
+
+        def bwd(_, ct):
+            if spec.per_leaf:
+                return (scatter_leaves(spec, ct),)
+            return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32),)
+
+        gather.defvjp(fwd, bwd)
+        return gather
+
+    def compressed(spec, ex: UnitExchange):
+        forward = gather_leaves(spec) if spec.per_leaf else gather_flat
+
         @jax.custom_vjp
         def cgather(shard, residual, carrier):
-            return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
+            return forward(shard)
 
         def cfwd(shard, residual, carrier):
             return cgather(shard, residual, carrier), residual
 
         def cbwd(residual, ct):
-            grad, residual, counts = compressed_reduce_scatter(ct.astype(jnp.float32), residual, ex, axis)
+            flat = flat_from_pieces(spec, [c.astype(jnp.float32) for c in ct]) if spec.per_leaf else ct.astype(jnp.float32)
+            grad, residual, counts = compressed_reduce_scatter(flat, residual, ex, axis)
             return grad, residual, _counts_to_carrier(counts)
 
         cgather.defvjp(cfwd, cbwd)
         return cgather
 
-    special = {name: compressed(ex) for name, ex in (exchanges or {}).items()}
-    return lambda shard, spec, ctx: special[spec.name](*shard) if spec.name in special else gather(shard)
+    per_unit: dict = {}
+
+    def gather(shard, spec, ctx):
+        if spec.name not in per_unit:  # built per unit at trace time (the spec is static)
+            ex = (exchanges or {}).get(spec.name)
+            per_unit[spec.name] = compressed(spec, ex) if ex is not None else dense(spec)
+        fn = per_unit[spec.name]
+        return fn(*shard) if spec.name in (exchanges or {}) else fn(shard)
+
+    return gather
 
 
 def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherFn:
@@ -156,13 +205,20 @@ class CollectiveTrainer(ShardedTrainer):
     and setting the group up). Compression runs on jax's collectives only.
 
     `straggle`: straggler injection (train.straggle.Straggle), None for none; settable later as
-    `trainer.straggle`. A slowed rank holds every rank up at the next collective."""
+    `trainer.straggle`. A slowed rank holds every rank up at the next collective.
+
+    `sharding`: how a unit is cut into the ranks' shards (train.units) when the trainer builds the
+    layout (a `Program` brings its own): "per_leaf" (default; FSDP2's per-parameter sharding: each
+    parameter is gathered into a buffer of its own and its gradient reduce-scattered on its own,
+    see `collective_gather`) or "contiguous" (ODC's layout; the unit travels flat). Checkpoints
+    record it: one of the other kind does not load."""
 
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
                  compress: CompressionPlan | None = None, transport: str = "gloo", lockstep: dict | None = None,
-                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None, **unit_policy):
+                 example_batch=None, precision: str = "fp32", straggle: Straggle | None = None,
+                 sharding: str = "per_leaf", **unit_policy):
         if transport not in TRANSPORTS:
             raise ValueError(f"CollectiveTrainer: transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "jaxodc" and compress is not None:
@@ -179,7 +235,8 @@ class CollectiveTrainer(ShardedTrainer):
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devs), (AXIS,))
         # model: a unit-staged model, a loss_fn(params, batch) (with example_batch) or a Program
-        self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
+        self.program = program_of(model, params, self.world, example_batch=example_batch, sharding=sharding,
+                                  **unit_policy)
         self.layout = self.program.layout
         self._sh = NamedSharding(self.mesh, P(AXIS))
         self.consts = tuple(self._replicated(c) for c in self.program.consts)
