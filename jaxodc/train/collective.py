@@ -28,6 +28,7 @@ from jaxodc.train.units import flat_from_pieces
 
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
+GATHER_SCOPE = "jaxodc_gather_u"  # + the unit's index: the name scope of a per_leaf unit's all-gathers
 _HOST_WORDS = 1024  # the lockstep channel of allgather_bytes: [length, payload...] in float32 words
 
 
@@ -45,6 +46,16 @@ def _counts_to_carrier(counts: jax.Array) -> jax.Array:
 def _carrier_to_counts(carrier: jax.Array) -> jax.Array:
     digits = jnp.round(carrier).astype(jnp.int32)
     return (digits[..., 0] << _DIGIT) + digits[..., 1]
+
+
+def _all_gather_bits(x: jax.Array, axis: str) -> jax.Array:
+    """all_gather(x, tiled) moving a 16-bit float's bits as uint16: an all-gather only copies, and
+    XLA:CPU otherwise runs a bf16 all-gather in f32 (its collectives have no bf16), holding the
+    gathered unit in f32 and again in bf16 and sending twice the bytes. Free elsewhere (a bitcast)."""
+    if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.all_gather(x, axis, tiled=True)
+    bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), axis, tiled=True)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
 def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None,
@@ -71,15 +82,18 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     """
 
     def gather_flat(shard):
-        return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
+        return _all_gather_bits(shard.astype(compute_dtype), axis)
 
     def gather_leaves(spec):
         def run(shard):
-            x, out = shard.astype(compute_dtype), []
-            for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards()):
-                g = jax.lax.all_gather(x[off:off + s], axis, tiled=True)
-                out.append(g if g.shape[0] == n else g[:n])
-            return tuple(out)
+            # the scope names the unit in the all-gathers' HLO metadata: `bench models` counts a
+            # unit's run of per-leaf all-gathers as one gathered unit by it (GATHER_SCOPE)
+            with jax.named_scope(f"{GATHER_SCOPE}{spec.index}"):
+                x, out = shard.astype(compute_dtype), []
+                for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards()):
+                    g = _all_gather_bits(x[off:off + s], axis)
+                    out.append(g if g.shape[0] == n else g[:n])
+                return tuple(out)
         return run
 
     def scatter_leaves(spec, cts):
