@@ -86,7 +86,13 @@ def accounted(tr, batch: dict) -> dict:
         state_acc = tr._global(np.zeros(tr._state_size, np.float32))  # the mutable state's weighted sums
         mb_c = _compiled(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0),
                          state_acc)
-        mb, opt = _memory(mb_c), _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        mb = _memory(mb_c)
+        if getattr(tr, "unitwise", None) is None:
+            opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        else:  # one call per unit (its updates then added into its shard in place): the largest counts
+            opt = max((_analysis(fn, *a) for _, fn, a in tr.unitwise.calls(tr.shards, tr.opt_state, acc,
+                                                                             jnp.int32(0))),
+                      key=lambda m: m["temp"] + m["output"] - m["alias"])
         # transport="jaxodc": the lock-step group's buffers, outside XLA, alive all the time
         outside = lockstep_bytes(tr.group) if tr.group is not None else 0
         if tr.group is not None:

@@ -310,6 +310,15 @@ class CollectiveTrainer(ShardedTrainer):
         def opt_step(shards, state, acc):
             return optimizer_step(optimizer, shards, state, acc, new_sum("optimizer"))
 
+        # One unit's updates alive at a time where the transformation allows it exactly
+        # (train.unitwise, as ODC's owners do): one shard_map call per unit, each reading every
+        # gradient (global norms stay exact: one scalar psum per unit) and donating the unit's state;
+        # the whole-tree step otherwise, and over the lock-step transport (its sum channel is not
+        # meant for a chain of separate executables).
+        self.unitwise = None
+        if transport == "gloo":
+            self.unitwise = self._unitwise(optimizer, state_specs, spec_sh, smap)
+
         res_sh = {n: P(AXIS) for n in self.residuals}
         const_sh = tuple(P() for _ in self.consts)
         self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), const_sh, P(AXIS), P(), P(AXIS)),
@@ -321,6 +330,32 @@ class CollectiveTrainer(ShardedTrainer):
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
         self.version = 0
+
+    def _unitwise(self, optimizer, state_specs, spec_sh, smap):
+        from jaxodc.train.unitwise import UnitwiseOptimizer
+        leaf_specs = jax.tree_util.tree_leaves(state_specs, is_leaf=lambda x: isinstance(x, P))
+
+        def compile_unit(step, mine, shared, first):
+            others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
+            in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
+            out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
+            return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,))
+
+        uw = UnitwiseOptimizer(optimizer, self.shards, self.opt_state, lambda v: (lambda x: jax.lax.psum(x, AXIS)),
+                               axis_env=[(AXIS, self.world)], compile=compile_unit)
+        self._add = jax.jit(jnp.add, donate_argnums=(0,))  # optax.apply_updates of one unit, in place
+        return uw if uw.separable else None
+
+    def _optimize(self, shards: dict, opt_state, acc: dict):
+        """(new shards, new state): per unit (self.unitwise) or the whole-tree step; all donated."""
+        if self.unitwise is None:
+            return self._opt_step(shards, opt_state, acc)
+        shards = dict(shards)
+
+        def apply(name, upd):
+            shards[name] = self._add(shards[name], upd)
+        opt_state = self.unitwise.step(shards, opt_state, acc, jnp.int32(0), apply)
+        return shards, opt_state
 
     def _lockstep(self, kwargs: dict):
         """Builds the lockstep group (two gather channels and a scatter channel per unit, the loss and optimizer
@@ -429,7 +464,7 @@ class CollectiveTrainer(ShardedTrainer):
             new = self.program.state.updated(self.consts, total)
             self.consts = tuple(c if c is old else self._replicated(c) for c, old in zip(new, self.consts))
         t0 = time.perf_counter()
-        self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
+        self.shards, self.opt_state = self._optimize(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
         res.opt = (t0, time.perf_counter())
         res.loss, res.t_end, res.cpu = loss, res.opt[1], time.process_time() - cpu0
@@ -444,7 +479,7 @@ class CollectiveTrainer(ShardedTrainer):
         for T in row_lengths:
             self.discard_microbatch(pack([], int(T)).as_dict())
         # the optimizer step too, on copies (it donates its inputs)
-        jax.block_until_ready(self._opt_step(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
+        jax.block_until_ready(self._optimize(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
 
     def discard_microbatch(self, microbatch: dict) -> None:
         """One microbatch step whose gradient is dropped (residuals on copies: even a padding
