@@ -91,6 +91,9 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
             with jax.named_scope(f"{GATHER_SCOPE}{spec.index}"):
                 x, out = shard.astype(compute_dtype), []
                 for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards()):
+                    if n == 0:  # an empty parameter: nothing travels
+                        out.append(jnp.zeros((0,), compute_dtype))
+                        continue
                     g = _all_gather_bits(x[off:off + s], axis)
                     out.append(g if g.shape[0] == n else g[:n])
                 return tuple(out)
@@ -99,12 +102,14 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     def scatter_leaves(spec, cts):
         parts = []
         for ct, (_, n), (_, s) in zip(cts, spec.leaf_pieces(), spec.leaf_shards()):
+            if n == 0:
+                continue
             ct = ct if ct.shape[0] == spec.world * s else jnp.pad(ct, (0, spec.world * s - n))
             parts.append(jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32))
         tail = spec.shard - sum(s for _, s in spec.leaf_shards())
         if tail:
             parts.append(jnp.zeros((tail,), jnp.float32))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0] if parts else jnp.zeros((0,), jnp.float32)
 
     def dense(spec):
         forward = gather_leaves(spec) if spec.per_leaf else gather_flat
