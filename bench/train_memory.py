@@ -98,7 +98,13 @@ def accounted(tr, batch: dict) -> dict:
         if tr.group is not None:
             native = {"lockstep_bytes": outside}
         mb_phase = outside + opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
-        opt_phase = outside + _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+        if getattr(tr, "unitwise", None) is None:
+            opt_phase = outside + _step_peak(opt)          # args: shards, optimizer state, accumulator (donated)
+        else:
+            # A unit's call takes only what it reads (jit drops unused arguments), but every shard,
+            # state leaf and gradient stays alive through the step: count them, then the call's
+            # temporaries and its outputs (the unit's updates, added into its shard in place).
+            opt_phase = (outside + state + _local_nbytes(acc) + opt["temp"] + opt["output"] - opt["alias"])
     else:
         st = tr.rt.stats()
         native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
