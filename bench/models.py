@@ -237,6 +237,18 @@ _ALL_GATHER = ("all-gather", "all-gather-start")
 _LOCKSTEP = 'custom_call_target="jaxodc_lockstep"'
 
 
+# The collective's per_leaf units gather one parameter at a time, each all-gather inside the name
+# scope train.collective.GATHER_SCOPE + the unit's index: consecutive all-gathers of one scope
+# (forward and backward re-gathers differ in their jvp / transpose prefix) are one gathered unit,
+# alive from the first of them to the last use of any.
+_SCOPE = re.compile(r'op_name="([^"]*?jaxodc_gather_u\d+)(?!\d)')
+
+
+def _gather_scope(attrs: str) -> str | None:
+    m = _SCOPE.search(attrs)
+    return m.group(1) if m else None
+
+
 def _numel(typ: str) -> int:
     m = re.match(r"\w+\[([\d,]*)\]", typ)
     return int(np.prod([int(d) for d in m.group(1).split(",") if d])) if m else 0
@@ -280,7 +292,8 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
     types = {name: typ for name, typ, *_ in instrs}
     scalar = lambda a: re.fullmatch(r"\w+\[\](\{\})?", types.get(a, "")) is not None  # noqa: E731
     holds: dict[str, set[int]] = {}  # value -> the gathers whose unit it holds
-    born, last, lockstep, lockstep_gathers = [], [], 0, 0
+    born, last, lockstep, lockstep_gathers, instrs_of_gathers = [], [], 0, 0, 0
+    prev_scope = None  # the unit scope of the latest gather (per_leaf units: a run of them is one unit)
     for i, (name, typ, op, operands, attrs) in enumerate(instrs):
         for a in operands:
             for g in holds.get(a, ()):
@@ -290,9 +303,13 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
         lockstep += is_lockstep
         lockstep_gathers += step_gather
         if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER or step_gather:
-            holds[name] = {len(born)}
-            born.append(i)
-            last.append(i)
+            instrs_of_gathers += 1
+            scope = _gather_scope(attrs) if op in _ALL_GATHER else None
+            if scope is None or scope != prev_scope:  # a new gathered unit
+                born.append(i)
+                last.append(i)
+            holds[name] = {len(born) - 1}
+            prev_scope = scope
             continue
         src = set().union(*(holds.get(a, set()) for a in operands)) if operands else set()
         pure = all(a in holds or scalar(a) for a in operands)
@@ -302,8 +319,8 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
     total = sum(1 for line in hlo.splitlines()
                 if _ODC_GATHER.search(line) or re.search(r"= \S+ (%s)\(" % "|".join(_ALL_GATHER), line))
     outside = hlo.count(_LOCKSTEP) - lockstep  # lockstep calls (of any kind) outside ENTRY
-    if outside or total != len(born) - lockstep_gathers:
-        raise RuntimeError(f"{max(outside, total + lockstep_gathers - len(born))} gathers or lock-step collectives "
+    if outside or total != instrs_of_gathers - lockstep_gathers:
+        raise RuntimeError(f"{max(outside, total + lockstep_gathers - instrs_of_gathers)} gathers or lock-step collectives "
                            "sit outside the step's ENTRY computation (inside a loop or call); their lifetimes "
                            "are not read")
     peak = max((sum(b <= i <= l for b, l in zip(born, last)) for i in range(len(instrs))), default=0)

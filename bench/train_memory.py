@@ -86,13 +86,25 @@ def accounted(tr, batch: dict) -> dict:
         state_acc = tr._global(np.zeros(tr._state_size, np.float32))  # the mutable state's weighted sums
         mb_c = _compiled(tr._mb_step, tr.shards, tr.residuals, acc, counts, tr.consts, gb, jnp.float32(1.0),
                          state_acc)
-        mb, opt = _memory(mb_c), _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        mb = _memory(mb_c)
+        if getattr(tr, "unitwise", None) is None:
+            opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, acc)
+        else:  # one call per unit (its updates then added into its shard in place): the largest counts
+            opt = max((_analysis(fn, *a) for _, fn, a in tr.unitwise.calls(tr.shards, tr.opt_state, acc,
+                                                                             jnp.int32(0))),
+                      key=lambda m: m["temp"] + m["output"] - m["alias"])
         # transport="jaxodc": the lock-step group's buffers, outside XLA, alive all the time
         outside = lockstep_bytes(tr.group) if tr.group is not None else 0
         if tr.group is not None:
             native = {"lockstep_bytes": outside}
         mb_phase = outside + opt_bytes + _step_peak(mb)    # args: shards, accumulator, batch
-        opt_phase = outside + _step_peak(opt)              # args: shards, optimizer state, accumulator (donated)
+        if getattr(tr, "unitwise", None) is None:
+            opt_phase = outside + _step_peak(opt)          # args: shards, optimizer state, accumulator (donated)
+        else:
+            # A unit's call takes only what it reads (jit drops unused arguments), but every shard,
+            # state leaf and gradient stays alive through the step: count them, then the call's
+            # temporaries and its outputs (the unit's updates, added into its shard in place).
+            opt_phase = (outside + state + _local_nbytes(acc) + opt["temp"] + opt["output"] - opt["alias"])
     else:
         st = tr.rt.stats()
         native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}

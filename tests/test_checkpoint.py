@@ -56,6 +56,23 @@ def _snapshot(state):
     return state.local_shards(), [np.array(x) for x in jax.tree_util.tree_leaves(state.local_opt_state())]
 
 
+def _logical(tr, snap):
+    """A snapshot in layout-free form: every unit's parameters and shard-shaped optimizer leaves
+    as their leaves (gathered from every rank), then the other optimizer leaves; collective."""
+    from jaxodc.train.checkpoint import _shard_leaf_units
+    from jaxodc.train.units import leaf_views
+    shards, leaves = snap
+    units = _shard_leaf_units(tr.local_opt_state(), tr.layout)
+    names = list(tr.layout.names) + [u for u in units if u]
+    vecs = [shards[n] for n in tr.layout.names] + [x for x, u in zip(leaves, units) if u]
+    got = tr.allgather_obj([np.asarray(v, np.float32).tobytes() for v in vecs])
+    out = []
+    for k, n in enumerate(names):
+        flat = np.concatenate([np.frombuffer(g[k], np.float32) for g in got])
+        out += [np.asarray(p) for p in leaf_views(tr.layout[n], flat)]
+    return out + [x for x, u in zip(leaves, units) if not u]
+
+
 def checkpoint_body(ctx, root):
     from jaxodc.launch.context import init_jax_distributed
     init_jax_distributed(ctx)
@@ -71,6 +88,7 @@ def checkpoint_body(ctx, root):
         _run(a, comm, range(K))
         a.save(ck)
         saved = _snapshot(a)
+        saved_logical = _logical(a, saved)
         _run(a, comm, range(K, K + M))
         full = _snapshot(a)
         a.close()
@@ -84,14 +102,16 @@ def checkpoint_body(ctx, root):
         _run(c, comm, range(K, K + M))
         again = _snapshot(c)
         c.close()
-        out[comm] = dict(full=full, saved=saved, restored=restored, resumed=resumed, again=again,
+        out[comm] = dict(full=full, saved=saved, restored=restored, resumed=resumed, again=again, logical=saved_logical,
                          step=restored_step, files=sorted(os.listdir(ck)))
 
-    # Both modes store the same local state: the collective checkpoint restores into ODC.
+    # The collective checkpoint (per_leaf units) restores into ODC (contiguous units), resharded.
     odc = sharded_step(model, _optimizer(), comm="odc")
     e = odc.init(params, ctx=ctx)
     e.restore(os.path.join(root, "collective"))
-    out["cross"] = _snapshot(e)
+    out["cross"] = _logical(e, _snapshot(e))
+    out["cross_layouts"] = (e.layout.sharding, out["collective"]["saved"] and sharded_step(
+        model, _optimizer(), comm="collective").layout(params, ctx.world).sharding)
 
     # Refusals. One rank's checkpoint is missing: every rank raises, the trainer is unchanged.
     before = _snapshot(e)
@@ -162,7 +182,11 @@ def test_round_trip_and_resume_are_bit_exact(two_rank_results, comm):
 def test_checkpoint_restores_across_comm_modes(two_rank_results):
     _, results = two_rank_results
     for rank, res in enumerate(results):
-        _same_state(res["collective"]["saved"], res["cross"], f"rank {rank} collective -> odc")
+        assert tuple(res["cross_layouts"]) == ("contiguous", "per_leaf")
+        want, got = res["collective"]["logical"], res["cross"]
+        assert len(want) == len(got)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rank {rank} collective -> odc: item {i}"
 
 
 def test_bad_checkpoints_are_refused_on_every_rank(two_rank_results):

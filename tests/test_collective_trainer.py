@@ -148,7 +148,7 @@ def test_collective_matches_reference(tmp_path):
     assert max(norms) > MAX_NORM, "clipping never triggered; the test would not exercise the global norm"
 
     info = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(W)]
-    assert info[0]["fp"] == info[1]["fp"] == make_layout(params, W).fingerprint()
+    assert info[0]["fp"] == info[1]["fp"] == make_layout(params, W, sharding="per_leaf").fingerprint()
     assert any(len(set(c)) == 1 and max(c) > 1 for c in info[0]["counts"])
     assert any(len(set(c)) > 1 for c in info[0]["counts"]), info[0]["counts"]  # padding exercised
     for r in range(W):
@@ -171,7 +171,7 @@ def test_collective_matches_reference(tmp_path):
             assert want < row[3] < want + 5.0  # + optimizer seconds
         assert rows[0][4] == rows[1][4] > 0
 
-    layout = make_layout(params, W, order=model.unit_names)
+    layout = make_layout(params, W, order=model.unit_names, sharding="per_leaf")
     shards = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(W)]
     got = unshard_params(layout, shards)
     want = ref.numpy_params()
@@ -427,7 +427,7 @@ def _memory_worker(out: str) -> None:
     for layers in (2, 4):
         model = LM(LMConfig(d_model=128, n_layers=layers, n_heads=4))
         shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0)))
-        layout = make_layout(shapes, W, order=model.unit_names)
+        layout = make_layout(shapes, W, order=model.unit_names, sharding="per_leaf")
         grad = microbatch_grad(model, layout, collective_gather(AXIS))
         spec = {n: P(AXIS) for n in layout.names}
         step = jax.jit(jax.shard_map(lambda s, b, n: grad(s, b, n, None), mesh=mesh,

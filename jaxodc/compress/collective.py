@@ -1,6 +1,7 @@
 """TAGC's compressed reduce-scatter over jax collectives (comm="collective").
 
-One unit's cotangent ct [Kp] on every rank; rank d owns [d*S, (d+1)*S). In owner slice d, the
+One unit's cotangent ct [Kp] on every rank, in the unit's flat order (either sharding of
+train.units); rank d owns [d*S, (d+1)*S). In owner slice d, the
 elements of the plan's compressed pieces form a static set sel_d (n_d elements, in order); the
 rest travel densely. Per call, on every rank:
 
@@ -117,11 +118,10 @@ def unit_exchange(spec: UnitSpec, plan: CompressionPlan) -> UnitExchange:
         raise ValueError(f"unit {spec.name!r}: compression needs 0 < fraction <= 1 and ratio > 0, "
                          f"got fraction={plan.fraction}, ratio={plan.ratio}")
     ranges, S = _ranges(spec.name, plan.selected(spec.name), spec.numel), spec.shard
-    per_owner = []
-    for d in range(spec.world):
-        lo_d, hi_d = spec.shard_range(d)
-        per_owner.append(tuple((max(lo, lo_d) - lo_d, min(hi, hi_d) - lo_d) for lo, hi in ranges
-                               if lo < hi_d and hi > lo_d))
+    # The plan's pieces are in leaf_pieces' coordinates; local_ranges places them in each owner's
+    # slice (a range straddling owners under the contiguous sharding; a leaf's 1/W slice under
+    # per_leaf, its padding left out).
+    per_owner = [tuple(r for lo, hi in ranges for r in spec.local_ranges(d, lo, hi)) for d in range(spec.world)]
     return UnitExchange(spec.name, spec.world, S, tuple(per_owner), float(plan.fraction), float(plan.ratio),
                         int(plan.seed))
 

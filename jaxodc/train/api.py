@@ -106,8 +106,11 @@ class ShardedStep:
         """The model made shardable for `world` ranks (params may be arrays or
         jax.ShapeDtypeStruct); a loss function is traced on `example_batch` (once per world)."""
         if world not in self._programs:
+            # the collective shards per parameter (train.units, "per_leaf"), ODC contiguously
+            policy = dict(self.unit_policy)
+            sharding = policy.pop("sharding", "per_leaf" if self.comm == "collective" else "contiguous")
             self._programs[world] = program_of(self.model, params, world, example_batch=example_batch,
-                                               **self.unit_policy)
+                                               sharding=sharding, **policy)
         return self._programs[world]
 
     def layout(self, params, world: int, example_batch=None) -> Layout:

@@ -10,7 +10,8 @@ manifest.json::
 
     {"format": "jaxodc.checkpoint", "version": 1, "tag": "<step>-<random>", "step": k,
      "world": W, "comm": "odc" | "collective", "layout_fingerprint": "<units.Layout.fingerprint>",
-     "units": [{"name", "numel", "padded", "shard"}, ...],              # layout order
+     "units": [{"name", "numel", "padded", "shard", "sharding"}, ...],  # layout order; sharding:
+                                                                        # units.UnitSpec.sharding
      "opt_state": {"treedef": "<str of the local state's jax treedef>",
                    "leaves": [[shape, dtype], ...]},                     # this rank's local leaves
      "model_state": [[path, shape, dtype], ...],   # mutable model state (train/state.py); absent without
@@ -26,8 +27,13 @@ rank<r>-<tag>.msgpack, a msgpack map::
                      rank), as in the manifest]}                         # absent without
 
 The optimizer state is stored as each rank sees it locally (shard-shaped moments, replicated
-scalars such as adam's count), which is the same for both comm modes, so a checkpoint of one mode
-restores into the other.
+scalars such as adam's count). The two comm modes cut units differently (units.py: ODC
+"contiguous", the collective "per_leaf"; a manifest without "sharding" is contiguous), so a
+checkpoint of one mode restores into the other by resharding: every rank sends its shards and its
+shard-shaped optimizer leaves (a leaf under a unit's name, of that unit's shard size) to every
+rank, which rebuilds each unit's leaves and cuts its own shard of the trainer's layout (padding
+zero). That holds the whole state on every rank for a moment; a restore into the same sharding
+moves nothing.
 
 Atomicity: each file is written to a temporary name, fsynced and renamed (os.replace). A save
 writes all rank files under a fresh tag, then the manifest (the commit), and only after every rank
@@ -49,6 +55,7 @@ import secrets
 import zlib
 
 import jax
+import jax.numpy as jnp
 import msgpack
 import numpy as np
 
@@ -104,7 +111,40 @@ def _model_state(trainer) -> tuple[list, list[np.ndarray]]:
 
 
 def _units(layout) -> list[dict]:
-    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard} for u in layout.units]
+    return [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard, "sharding": u.sharding}
+            for u in layout.units]
+
+
+def _saved_layout(layout, saved: list[dict]):
+    """The trainer's layout as the checkpoint cut it (its units' sharding and padding), when only
+    that differs; else None."""
+    import dataclasses
+    from jaxodc.train.units import Layout, SHARDINGS
+    if len(saved) != len(layout.units):
+        return None
+    units = []
+    for u, a in zip(layout.units, saved):
+        kind = a.get("sharding", "contiguous")
+        if a.get("name") != u.name or a.get("numel") != u.numel or kind not in SHARDINGS:
+            return None
+        if kind == u.sharding:
+            units.append(u)
+            continue
+        if not isinstance(a.get("padded"), int) or a["padded"] % layout.world or a.get("shard") != a["padded"] // layout.world:
+            return None
+        units.append(dataclasses.replace(u, sharding=kind, padded=a["padded"]))
+    return Layout(tuple(units), layout.world)
+
+
+def _shard_leaf_units(opt_state, layout) -> list[str | None]:
+    """For each optimizer-state leaf (jax tree order), the unit it is a shard of (a dict key on
+    its path naming a unit, and that unit's shard shape), else None."""
+    names = set(layout.names)
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        unit = next((k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in names), None)
+        out.append(unit if unit is not None and tuple(np.shape(x)) == (layout[unit].shard,) else None)
+    return out
 
 
 def _rank_file(rank: int, tag: str) -> str:
@@ -238,13 +278,19 @@ def _load_rank(trainer, path: str):
     where = f"rank {rank}: checkpoint {path}"
     if m.get("world") != world:
         raise CheckpointError(f"{where} was saved by {m.get('world')} ranks; this trainer has world {world}")
-    diff = _layout_difference(m.get("units", []), _units(trainer.layout))
-    if diff is None and m.get("layout_fingerprint") != trainer.layout.fingerprint():
+    # Units cut the other way (the other comm mode, units.py): read in that layout, resharded by restore.
+    saved = _saved_layout(trainer.layout, m.get("units", [])) or trainer.layout
+    diff = _layout_difference(m.get("units", []), _units(saved))
+    if diff is None and m.get("layout_fingerprint") != saved.fingerprint():
         diff = (f"layout fingerprint {m.get('layout_fingerprint')} in the checkpoint, "
-                f"{trainer.layout.fingerprint()} in this trainer (leaf paths, shapes or dtypes differ)")
+                f"{saved.fingerprint()} in this trainer (leaf paths, shapes or dtypes differ)")
     if diff is not None:
         raise CheckpointError(f"{where}: parameter layout differs: {diff}")
-    mine = _opt_description(trainer.local_opt_state())
+    local = trainer.local_opt_state()
+    mine = _opt_description(local)
+    for i, unit in enumerate(_shard_leaf_units(local, trainer.layout)):
+        if unit is not None:  # stored at the checkpoint's shard size
+            mine["leaves"][i][0] = [saved[unit].shard]
     diff = _opt_difference(m.get("opt_state", {}), mine)
     if diff is not None:
         raise CheckpointError(f"{where}: {diff}")
@@ -269,7 +315,7 @@ def _load_rank(trainer, path: str):
         raise CheckpointError(f"{where}: {fpath} belongs to save {d.get('tag')} of rank {d.get('rank')}, "
                               f"the manifest to save {m['tag']}")
     shards = {}
-    for u in trainer.layout.units:
+    for u in saved.units:
         x = np.frombuffer(d["shards"][u.name], "<f4")
         if x.shape != (u.shard,):
             raise CheckpointError(f"{where}: unit {u.name!r} shard has {x.size} elements, expected {u.shard}")
@@ -279,7 +325,34 @@ def _load_rank(trainer, path: str):
     treedef = jax.tree_util.tree_structure(trainer.local_opt_state())
     model_state = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
                    for b, (_, shape, dt) in zip(d.get("model_state", []), state_desc)]
-    return int(m["step"]), m["tag"], shards, jax.tree_util.tree_unflatten(treedef, leaves), model_state
+    return int(m["step"]), m["tag"], shards, (treedef, leaves), model_state, saved
+
+
+def _reshard(trainer, saved, shards: dict, treedef, leaves: list):
+    """Every unit's shard and shard-shaped optimizer leaves, from the checkpoint's layout `saved`
+    to the trainer's (module docstring); collective over ranks."""
+    from jaxodc.train.units import flat_from_pieces, leaf_views
+    layout, world, rank = trainer.layout, trainer.world, trainer.rank
+    moved = [i for i, u in enumerate(saved.units) if u.sharding != layout.units[i].sharding]
+    if not moved:
+        return shards, leaves
+    leaf_units = _shard_leaf_units(trainer.local_opt_state(), layout)
+    items = [(layout.units[i].name, None) for i in moved] + [
+        (u, j) for j, u in enumerate(leaf_units) if u is not None and saved[u].sharding != layout[u].sharding]
+    local = [shards[u] if j is None else leaves[j] for u, j in items]
+    got = trainer.allgather_obj([[np.asarray(x).dtype.str, np.ascontiguousarray(x).tobytes()] for x in local])
+    shards, leaves = dict(shards), list(leaves)
+    for k, (u, j) in enumerate(items):
+        dt = np.dtype(got[0][k][0])
+        flat = np.concatenate([np.frombuffer(got[r][k][1], dt) for r in range(world)])
+        pieces = [jnp.asarray(x) for x in leaf_views(saved[u], flat)]
+        a, b = layout[u].shard_range(rank)
+        mine = np.asarray(flat_from_pieces(layout[u], pieces))[a:b].astype(dt)
+        if j is None:
+            shards[u] = mine
+        else:
+            leaves[j] = mine
+    return shards, leaves
 
 
 def restore(trainer, path: str) -> int:
@@ -295,8 +368,9 @@ def restore(trainer, path: str) -> int:
     if len({(a, b) for a, b in got}) != 1:
         raise CheckpointError(f"rank {trainer.rank}: ranks read different saves of {path}: "
                               + ", ".join(f"rank {r}: step {a} id {b:08x}" for r, (a, b) in enumerate(got)))
-    step, _, shards, opt_state, model_state = payload
-    trainer.load_local_state(shards, opt_state, step)
+    step, _, shards, (treedef, leaves), model_state, saved = payload
+    shards, leaves = _reshard(trainer, saved, shards, treedef, leaves)  # every rank reads the same manifest
+    trainer.load_local_state(shards, jax.tree_util.tree_unflatten(treedef, leaves), step)
     if model_state:
         trainer.load_model_state(model_state)
     return step

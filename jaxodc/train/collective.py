@@ -25,9 +25,11 @@ from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatche
 from jaxodc.train.precision import MixedPrecision, precision_of
 from jaxodc.train.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
+from jaxodc.train.units import flat_from_pieces
 
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
+GATHER_SCOPE = "jaxodc_gather_u"  # + the unit's index: the name scope of a per_leaf unit's all-gathers
 _HOST_WORDS = 1024  # the lockstep channel of allgather_bytes: [length, payload...] in float32 words
 
 
@@ -47,49 +49,118 @@ def _carrier_to_counts(carrier: jax.Array) -> jax.Array:
     return (digits[..., 0] << _DIGIT) + digits[..., 1]
 
 
+def _all_gather_bits(x: jax.Array, axis: str) -> jax.Array:
+    """all_gather(x, tiled) moving a 16-bit float's bits as uint16: an all-gather only copies, and
+    XLA:CPU otherwise runs a bf16 all-gather in f32 (its collectives have no bf16), holding the
+    gathered unit in f32 and again in bf16 and sending twice the bytes. Free elsewhere (a bitcast)."""
+    if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.all_gather(x, axis, tiled=True)
+    bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), axis, tiled=True)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
 def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None,
-                      compute_dtype=jnp.float32) -> GatherFn:
+                      compute_dtype=jnp.float32, reduce_dtype=None) -> GatherFn:
     """all_gather forward, psum_scatter backward: the gradient of the local shard is the sum over ranks.
 
     The unit travels and is returned in `compute_dtype` (bf16 under mixed precision: half the
-    bytes both ways); the shard's gradient comes back in fp32.
+    bytes both ways); the cotangent is reduce-scattered in `reduce_dtype` (default: as it comes,
+    `compute_dtype`; fp32 rounds no partial sum) and the shard's gradient comes back in fp32.
+
+    A unit of the per_leaf sharding (train.units; the trainer's default) travels one parameter at
+    a time: forward, each leaf's slice of the shard is all-gathered into a buffer of its own and
+    the unit is returned cut into its leaves; backward, each leaf's cotangent is psum_scattered on
+    its own and the slices are concatenated into the shard's gradient. Neither the flat unit nor
+    its flat gradient is ever built: the copies are shard-sized (P/W), where a contiguous unit
+    costs a gathered flat unit, copies of the leaves cut out of it and a concatenated flat
+    cotangent. A contiguous unit travels flat.
 
     Units named in `exchanges` travel compressed in the backward pass (compress.collective). Their
     `shard` argument is the triple (shard, residual, carrier): the cotangent returned for the
     residual is this rank's next residual (it replaces the old one, never adds to it) and the one for
     the carrier float32 [3, 2] holds the owner's peeled and estimated counts and this rank's kept
-    count (`_carrier_to_counts`).
+    count (`_carrier_to_counts`). A per_leaf unit's cotangent is laid out flat for the compressed
+    exchange (one unit-sized copy, as before).
     """
 
-    @jax.custom_vjp
-    def gather(shard):
-        return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
+    def gather_flat(shard):
+        return _all_gather_bits(shard.astype(compute_dtype), axis)
 
-    def fwd(shard):
-        return gather(shard), None
+    def gather_leaves(spec):
+        def run(shard):
+            # the scope names the unit in the all-gathers' HLO metadata: `bench models` counts a
+            # unit's run of per-leaf all-gathers as one gathered unit by it (GATHER_SCOPE)
+            with jax.named_scope(f"{GATHER_SCOPE}{spec.index}"):
+                x, out = shard.astype(compute_dtype), []
+                for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards()):
+                    if n == 0:  # an empty parameter: nothing travels
+                        out.append(jnp.zeros((0,), compute_dtype))
+                        continue
+                    g = _all_gather_bits(x[off:off + s], axis)
+                    out.append(g if g.shape[0] == n else g[:n])
+                return tuple(out)
+        return run
 
-    def bwd(_, ct):
-        return (jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True).astype(jnp.float32),)
+    def scatter_leaves(spec, cts):
+        parts = []
+        for ct, (_, n), (_, s) in zip(cts, spec.leaf_pieces(), spec.leaf_shards()):
+            if n == 0:
+                continue
+            ct = ct if ct.shape[0] == spec.world * s else jnp.pad(ct, (0, spec.world * s - n))
+            parts.append(jax.lax.psum_scatter(ct.astype(reduce_dtype or ct.dtype), axis, scatter_dimension=0,
+                                              tiled=True).astype(jnp.float32))
+        tail = spec.shard - sum(s for _, s in spec.leaf_shards())
+        if tail:
+            parts.append(jnp.zeros((tail,), jnp.float32))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0] if parts else jnp.zeros((0,), jnp.float32)
 
-    gather.defvjp(fwd, bwd)
+    def dense(spec):
+        forward = gather_leaves(spec) if spec.per_leaf else gather_flat
 
-    def compressed(ex: UnitExchange):
+        @jax.custom_vjp
+        def gather(shard):
+            return forward(shard)
+
+        def fwd(shard):
+            return gather(shard), None
+
+        def bwd(_, ct):
+            if spec.per_leaf:
+                return (scatter_leaves(spec, ct),)
+            return (jax.lax.psum_scatter(ct.astype(reduce_dtype or ct.dtype), axis, scatter_dimension=0,
+                                         tiled=True).astype(jnp.float32),)
+
+        gather.defvjp(fwd, bwd)
+        return gather
+
+    def compressed(spec, ex: UnitExchange):
+        forward = gather_leaves(spec) if spec.per_leaf else gather_flat
+
         @jax.custom_vjp
         def cgather(shard, residual, carrier):
-            return jax.lax.all_gather(shard.astype(compute_dtype), axis, tiled=True)
+            return forward(shard)
 
         def cfwd(shard, residual, carrier):
             return cgather(shard, residual, carrier), residual
 
         def cbwd(residual, ct):
-            grad, residual, counts = compressed_reduce_scatter(ct.astype(jnp.float32), residual, ex, axis)
+            flat = flat_from_pieces(spec, [c.astype(jnp.float32) for c in ct]) if spec.per_leaf else ct.astype(jnp.float32)
+            grad, residual, counts = compressed_reduce_scatter(flat, residual, ex, axis)
             return grad, residual, _counts_to_carrier(counts)
 
         cgather.defvjp(cfwd, cbwd)
         return cgather
 
-    special = {name: compressed(ex) for name, ex in (exchanges or {}).items()}
-    return lambda shard, spec, ctx: special[spec.name](*shard) if spec.name in special else gather(shard)
+    per_unit: dict = {}
+
+    def gather(shard, spec, ctx):
+        if spec.name not in per_unit:  # built per unit at trace time (the spec is static)
+            ex = (exchanges or {}).get(spec.name)
+            per_unit[spec.name] = compressed(spec, ex) if ex is not None else dense(spec)
+        fn = per_unit[spec.name]
+        return fn(*shard) if spec.name in (exchanges or {}) else fn(shard)
+
+    return gather
 
 
 def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherFn:
@@ -157,14 +228,20 @@ class CollectiveTrainer(ShardedTrainer):
     and setting the group up). Compression runs on jax's collectives only.
 
     `straggle`: straggler injection (train.straggle.Straggle), None for none; settable later as
-    `trainer.straggle`. A slowed rank holds every rank up at the next collective."""
+    `trainer.straggle`. A slowed rank holds every rank up at the next collective.
+
+    `sharding`: how a unit is cut into the ranks' shards (train.units) when the trainer builds the
+    layout (a `Program` brings its own): "per_leaf" (default; FSDP2's per-parameter sharding: each
+    parameter is gathered into a buffer of its own and its gradient reduce-scattered on its own,
+    see `collective_gather`) or "contiguous" (ODC's layout; the unit travels flat). Checkpoints
+    record it: one of the other kind does not load."""
 
     comm = "collective"
 
     def __init__(self, model, optimizer: optax.GradientTransformation, params: dict, *, check: bool = True,
                  compress: CompressionPlan | None = None, transport: str = "gloo", lockstep: dict | None = None,
                  example_batch=None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
-                 **unit_policy):
+                 sharding: str = "per_leaf", **unit_policy):
         if transport not in TRANSPORTS:
             raise ValueError(f"CollectiveTrainer: transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "jaxodc" and compress is not None:
@@ -182,7 +259,8 @@ class CollectiveTrainer(ShardedTrainer):
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = Mesh(np.array(devs), (AXIS,))
         # model: a unit-staged model, a loss_fn(params, batch) (with example_batch) or a Program
-        self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
+        self.program = program_of(model, params, self.world, example_batch=example_batch, sharding=sharding,
+                                  **unit_policy)
         self.layout = self.program.layout
         self._sh = NamedSharding(self.mesh, P(AXIS))
         self.consts = tuple(self._replicated(c) for c in self.program.consts)
@@ -218,7 +296,7 @@ class CollectiveTrainer(ShardedTrainer):
             # the lockstep channels carry fp32; mixed precision computes in bf16 after the gather
             gather = (lambda g: lambda shard, spec, ctx: g(shard, spec, ctx).astype(compute_dtype))(gather)
         else:
-            gather = collective_gather(AXIS, exchanges, compute_dtype)
+            gather = collective_gather(AXIS, exchanges, compute_dtype, policy.grad_dtype)
             new_sum = lambda _: (lambda x: jax.lax.psum(x, AXIS))  # noqa: E731
         grad_fn = self.program.grad(gather, compute_dtype, cast=policy.cast_inputs)
         no_counts = jnp.zeros((3, 2), jnp.float32)
@@ -242,6 +320,15 @@ class CollectiveTrainer(ShardedTrainer):
         def opt_step(shards, state, acc):
             return optimizer_step(optimizer, shards, state, acc, new_sum("optimizer"))
 
+        # One unit's updates alive at a time where the transformation allows it exactly
+        # (train.unitwise, as ODC's owners do): one shard_map call per unit, each reading every
+        # gradient (global norms stay exact: one scalar psum per unit) and donating the unit's state;
+        # the whole-tree step otherwise, and over the lock-step transport (its sum channel is not
+        # meant for a chain of separate executables).
+        self.unitwise = None
+        if transport == "gloo":
+            self.unitwise = self._unitwise(optimizer, state_specs, spec_sh, smap)
+
         res_sh = {n: P(AXIS) for n in self.residuals}
         const_sh = tuple(P() for _ in self.consts)
         self._mb_step = jax.jit(smap(mb_step, (spec_sh, res_sh, spec_sh, P(AXIS), const_sh, P(AXIS), P(), P(AXIS)),
@@ -253,6 +340,32 @@ class CollectiveTrainer(ShardedTrainer):
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
                                  donate_argnums=(0, 1, 2))
         self.version = 0
+
+    def _unitwise(self, optimizer, state_specs, spec_sh, smap):
+        from jaxodc.train.unitwise import UnitwiseOptimizer
+        leaf_specs = jax.tree_util.tree_leaves(state_specs, is_leaf=lambda x: isinstance(x, P))
+
+        def compile_unit(step, mine, shared, first):
+            others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
+            in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
+            out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
+            return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,))
+
+        uw = UnitwiseOptimizer(optimizer, self.shards, self.opt_state, lambda v: (lambda x: jax.lax.psum(x, AXIS)),
+                               axis_env=[(AXIS, self.world)], compile=compile_unit)
+        self._add = jax.jit(jnp.add, donate_argnums=(0,))  # optax.apply_updates of one unit, in place
+        return uw if uw.separable else None
+
+    def _optimize(self, shards: dict, opt_state, acc: dict):
+        """(new shards, new state): per unit (self.unitwise) or the whole-tree step; all donated."""
+        if self.unitwise is None:
+            return self._opt_step(shards, opt_state, acc)
+        shards = dict(shards)
+
+        def apply(name, upd):
+            shards[name] = self._add(shards[name], upd)
+        opt_state = self.unitwise.step(shards, opt_state, acc, jnp.int32(0), apply)
+        return shards, opt_state
 
     def _lockstep(self, kwargs: dict):
         """Builds the lockstep group (two gather channels and a scatter channel per unit, the loss and optimizer
@@ -361,7 +474,7 @@ class CollectiveTrainer(ShardedTrainer):
             new = self.program.state.updated(self.consts, total)
             self.consts = tuple(c if c is old else self._replicated(c) for c, old in zip(new, self.consts))
         t0 = time.perf_counter()
-        self.shards, self.opt_state = self._opt_step(self.shards, self.opt_state, acc)
+        self.shards, self.opt_state = self._optimize(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
         res.opt = (t0, time.perf_counter())
         res.loss, res.t_end, res.cpu = loss, res.opt[1], time.process_time() - cpu0
@@ -376,7 +489,7 @@ class CollectiveTrainer(ShardedTrainer):
         for T in row_lengths:
             self.discard_microbatch(pack([], int(T)).as_dict())
         # the optimizer step too, on copies (it donates its inputs)
-        jax.block_until_ready(self._opt_step(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
+        jax.block_until_ready(self._optimize(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
 
     def discard_microbatch(self, microbatch: dict) -> None:
         """One microbatch step whose gradient is dropped (residuals on copies: even a padding

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxodc.train.units import Layout, UnitSpec, _path_str, flatten_unit
+from jaxodc.train.units import SHARDINGS, Layout, UnitSpec, _path_str, flatten_unit, padded_size
 
 # units= override: {unit name: pattern or patterns} | [pattern, ...] | callable(path, leaf) -> unit name,
 # a pattern being a glob string, "re:<regex>" or a compiled re.Pattern.
@@ -206,7 +206,8 @@ def _policy_assignment(entries, units, trainable: list[int]) -> dict[int, str]:
 
 def discover_units(params, world: int, *, units: UnitsPolicy = None,
                    stacked: Mapping[str, int] | None = None, frozen: Sequence[str] = (),
-                   max_unit_bytes: int = DEFAULT_MAX_UNIT_BYTES, align: int = 1) -> ParamPlan:
+                   max_unit_bytes: int = DEFAULT_MAX_UNIT_BYTES, align: int = 1,
+                   sharding: str = "contiguous") -> ParamPlan:
     """The units of `params` (arrays or jax.ShapeDtypeStruct leaves, flax metadata boxes allowed).
 
     Args:
@@ -217,7 +218,10 @@ def discover_units(params, world: int, *, units: UnitsPolicy = None,
         nn.scan, `variable_axes={"params": axis}`); every matched leaf is sliced per layer.
       frozen: path patterns of float leaves kept whole and untrained (constants), like non-float ones.
       max_unit_bytes: fp32 bytes bound for grouping the non-layer rest.
+      sharding: how a unit is cut into shards, "contiguous" or "per_leaf" (train.units).
     """
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     entries, treedef = _leaves(params)
@@ -268,17 +272,17 @@ def discover_units(params, world: int, *, units: UnitsPolicy = None,
             shapes.append(tuple(int(d) for d in s))
         for uname in layer_names:
             specs.append(_spec(uname, len(specs), tuple(entries[i][1] for i in ms), tuple(shapes),
-                               tuple(str(_dtype(entries[i][2])) for i in ms), world, align))
+                               tuple(str(_dtype(entries[i][2])) for i in ms), world, align, sharding))
     return ParamPlan(Layout(tuple(specs), world), treedef, tuple(places),
                      tuple(tuple(int(d) for d in np.shape(x)) for _, _, x in entries),
                      tuple(_dtype(x) for _, _, x in entries))
 
 
-def _spec(name, index, paths, shapes, dtypes, world, align) -> UnitSpec:
+def _spec(name, index, paths, shapes, dtypes, world, align, sharding="contiguous") -> UnitSpec:
     K = int(sum(math.prod(s) for s in shapes))
-    m = world * align
     treedef = jax.tree_util.tree_structure(tuple(range(len(shapes))))
-    return UnitSpec(name, index, paths, shapes, dtypes, treedef, K, -(-K // m) * m, world)
+    return UnitSpec(name, index, paths, shapes, dtypes, treedef, K, padded_size(shapes, world, align, sharding),
+                    world, sharding)
 
 
 def unit_leaves(plan: ParamPlan, params) -> dict[str, tuple]:

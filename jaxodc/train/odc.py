@@ -87,7 +87,7 @@ def odc_gather_fn(runtime, compute_dtype=jnp.float32, per_leaf: bool | None = No
     per_leaf = jax.default_backend() == "cpu" if per_leaf is None else bool(per_leaf)
 
     def gather(shard, spec, version):
-        if per_leaf:
+        if per_leaf and not spec.per_leaf:  # the runtime's pieces are ranges of the contiguous flat unit
             return odc_gather_pieces(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded,
                                      pieces=spec.leaf_pieces(), dtype=compute_dtype)
         return odc_gather(shard, version, runtime=runtime, unit=spec.index, numel=spec.padded, dtype=compute_dtype)

@@ -69,9 +69,10 @@ class Program:
         return sizes
 
 
-def staged_program(model, params: Mapping, world: int) -> Program:
-    """The program of a unit-staged model: one unit per top-level key of `params`."""
-    layout = make_layout(params, world, order=model.unit_names)
+def staged_program(model, params: Mapping, world: int, sharding: str = "contiguous") -> Program:
+    """The program of a unit-staged model: one unit per top-level key of `params` (`sharding`:
+    train.units)."""
+    layout = make_layout(params, world, order=model.unit_names, sharding=sharding)
 
     def grad(gather: GatherFn, compute_dtype=jnp.float32, cast: bool = True):
         g = microbatch_grad(model, layout, gather)  # stages take the gathered dtype as it comes
@@ -109,7 +110,7 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
       count_fn: with mutable state, batch -> the microbatch's count, its new state's weight
         (default: the sum of batch["loss_mask"] or batch["mask"]).
       **policy: train.discover.discover_units' unit policy (units=, stacked=, frozen=,
-        max_unit_bytes=).
+        max_unit_bytes=, and sharding=).
     """
     from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
     from jaxodc.train.gather_on_use import microbatch_grad_any, plan_for
@@ -148,9 +149,10 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
     return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state)
 
 
-def program_of(model, params, world: int, *, example_batch=None, **policy) -> Program:
-    """`model` as a Program: a Program as it is, a unit-staged model, or a loss function (which
-    needs `example_batch`)."""
+def program_of(model, params, world: int, *, example_batch=None, sharding: str = "contiguous", **policy) -> Program:
+    """`model` as a Program: a Program as it is (whatever its layout's `sharding`), a unit-staged
+    model, or a loss function (which needs `example_batch`); `sharding`: how units are cut into
+    shards (train.units: "contiguous" for ODC, "per_leaf" for the collective)."""
     if isinstance(model, Program):
         if model.layout.world != world:
             raise ValueError(f"the program was built for {model.layout.world} ranks, the job has {world}")
@@ -158,11 +160,11 @@ def program_of(model, params, world: int, *, example_batch=None, **policy) -> Pr
     if hasattr(model, "apply_unit") and hasattr(model, "unit_names"):
         if policy:
             raise ValueError(f"a unit-staged model defines its own units; unit policy {sorted(policy)} does not apply")
-        return staged_program(model, params, world)
+        return staged_program(model, params, world, sharding)
     if callable(model):
         if example_batch is None:
             raise ValueError("a loss function needs example_batch= (one microbatch, arrays or "
                              "jax.ShapeDtypeStruct): its units are found by tracing the loss on it")
-        return traced_program(model, params, example_batch, world, **policy)
+        return traced_program(model, params, example_batch, world, sharding=sharding, **policy)
     raise TypeError(f"expected a unit-staged model (unit_names, apply_unit), a loss_fn(params, batch) or a "
                     f"Program, got {type(model).__name__}")

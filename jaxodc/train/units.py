@@ -6,6 +6,22 @@ row-major) to K fp32 elements, zero-padded to Kp = a multiple of W, and rank d o
 [d*Kp/W, (d+1)*Kp/W). Padding elements stay exactly zero: their gradient is zero (unflatten ignores
 them), so any elementwise optimizer leaves them at zero.
 
+Two shardings of a unit (`UnitSpec.sharding`), both with that flat vector of Kp elements in which
+rank d owns [d*S, (d+1)*S), S = Kp/W (so `shard_range`, `shard`, `padded` and every consumer of
+them hold for both; only `flatten_unit` / `unflatten_unit` / `leaf_shards` know the order):
+
+* "contiguous" (ODC's): the leaves concatenated, then padded; a leaf may straddle two ranks' shards.
+* "per_leaf" (FSDP2's per-parameter sharding; the collective trainer's): leaf i of n_i elements is
+  padded to W*s_i, s_i = ceil(n_i/W), and rank d's shard is the concatenation over leaves of their
+  d-th slices [d*s_i, (d+1)*s_i) (then zeros up to S when `align` asks for more). The flat vector
+  is the ranks' shards one after the other. Why: a collective can then gather each parameter into
+  a buffer of its own (`all_gather` of the shard's [off_i, off_i + s_i)) and reduce-scatter each
+  parameter's cotangent on its own, never materialising the flat unit or its concatenated
+  gradient -- on XLA:CPU, cutting leaves out of a gathered flat unit at non-zero offsets copies
+  them, so the flat form costs about one more unit of temporaries per stage than ODC's one buffer
+  per parameter (bench/RESULTS.md, "Where each failing record's memory goes"). The two kinds
+  have different fingerprints, so checkpoints of one cannot be loaded into the other unnoticed.
+
 `UnitSpec` and `Layout` hold only static Python data (names, shapes, sizes), so they can be closed
 over inside `jax.jit`; `flatten_unit` / `unflatten_unit` are traceable."""
 from __future__ import annotations
@@ -52,6 +68,7 @@ class UnitSpec:
     numel: int                          # K
     padded: int                         # Kp, multiple of world
     world: int
+    sharding: str = "contiguous"        # or "per_leaf" (module docstring)
 
     @property
     def shard(self) -> int:
@@ -62,8 +79,14 @@ class UnitSpec:
             raise ValueError(f"unit {self.name!r}: rank {rank} outside world of {self.world}")
         return rank * self.shard, (rank + 1) * self.shard
 
+    @property
+    def per_leaf(self) -> bool:
+        return self.sharding == "per_leaf"
+
     def leaf_pieces(self) -> tuple[tuple[int, int], ...]:
-        """(offset, size) of every leaf in the flat unit, in leaf order."""
+        """(offset, size) of every leaf in the leaves' concatenation (K elements), in leaf order:
+        under the contiguous sharding, where each leaf lies in the flat unit; under per_leaf, the
+        leaf's identity only (the pieces a gather may return, what compression plans address)."""
         out, o = [], 0
         for shp in self.shapes:
             n = math.prod(shp)
@@ -71,9 +94,40 @@ class UnitSpec:
             o += n
         return tuple(out)
 
+    def leaf_shards(self) -> tuple[tuple[int, int], ...]:
+        """per_leaf: (offset, size s_i) of every leaf's slice in each rank's shard, in leaf order;
+        rank d's slice holds elements [d*s_i, (d+1)*s_i) of the leaf (zeros past its end)."""
+        if not self.per_leaf:
+            raise ValueError(f"unit {self.name!r}: leaf_shards needs the per_leaf sharding, this one is {self.sharding!r}")
+        out, o = [], 0
+        for shp in self.shapes:
+            s = -(-math.prod(shp) // self.world)
+            out.append((o, s))
+            o += s
+        return tuple(out)
+
+    def local_ranges(self, rank: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """[a, b) ranges of rank `rank`'s shard holding elements [lo, hi) of the leaves'
+        concatenation (leaf_pieces' coordinates), in increasing order."""
+        a0, b0 = self.shard_range(rank)
+        if not self.per_leaf:
+            a, b = max(lo, a0), min(hi, b0)
+            return ((a - a0, b - a0),) if a < b else ()
+        out = []
+        for (o, n), (off, s) in zip(self.leaf_pieces(), self.leaf_shards()):
+            # the leaf's elements [x, y) that are in [lo, hi), then those that rank holds
+            x, y = max(lo, o) - o, min(hi, o + n) - o
+            x, y = max(x, rank * s), min(y, (rank + 1) * s)
+            if x < y:
+                out.append((off + x - rank * s, off + y - rank * s))
+        return tuple(out)
+
     def describe(self) -> dict:
-        return {"name": self.name, "index": self.index, "numel": self.numel, "padded": self.padded,
-                "leaves": [[p, list(s), d] for p, s, d in zip(self.paths, self.shapes, self.dtypes)]}
+        d = {"name": self.name, "index": self.index, "numel": self.numel, "padded": self.padded,
+             "leaves": [[p, list(s), d] for p, s, d in zip(self.paths, self.shapes, self.dtypes)]}
+        if self.per_leaf:  # contiguous layouts keep the fingerprints they always had
+            d["sharding"] = self.sharding
+        return d
 
 
 @dataclass(frozen=True)
@@ -95,6 +149,12 @@ class Layout:
     def largest(self) -> int:
         return max(u.padded for u in self.units)
 
+    @property
+    def sharding(self) -> str:
+        """The units' sharding ("contiguous", "per_leaf", or "mixed")."""
+        kinds = {u.sharding for u in self.units}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
     def fingerprint(self) -> str:
         """Stable hex digest of world size, unit order, leaf paths, shapes and dtypes: equal on
         every rank iff all ranks built the same layout."""
@@ -106,13 +166,32 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+SHARDINGS = ("contiguous", "per_leaf")
+
+
+def padded_size(shapes: Sequence[tuple[int, ...]], world: int, align: int = 1, sharding: str = "contiguous") -> int:
+    """Kp of a unit of leaves `shapes`: a multiple of world * align; under per_leaf, at least the
+    sum of the leaves each padded to a multiple of world."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    m = world * align
+    if sharding == "per_leaf":
+        K = world * sum(-(-math.prod(s) // world) for s in shapes)
+    else:
+        K = sum(math.prod(s) for s in shapes)
+    return int(-(-K // m) * m)
+
+
 def make_layout(params: Mapping[str, Any], world: int, order: Sequence[str] | None = None,
-                align: int = 1) -> Layout:
+                align: int = 1, sharding: str = "contiguous") -> Layout:
     """One unit per top-level key of `params` (in `order`, default: dict order). Kp is a multiple
     of world * align. Leaves may be arrays or jax.ShapeDtypeStruct (e.g. from jax.eval_shape), so
-    a layout needs no materialised parameters."""
+    a layout needs no materialised parameters. `sharding`: "contiguous" or "per_leaf" (module
+    docstring)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     order = list(order if order is not None else params.keys())
     missing = [n for n in order if n not in params]
     if missing or len(set(order)) != len(order):
@@ -126,8 +205,8 @@ def make_layout(params: Mapping[str, Any], world: int, order: Sequence[str] | No
         shapes = tuple(tuple(int(d) for d in np.shape(x)) for _, x in flat)
         dtypes = tuple(str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype) for _, x in flat)
         K = int(sum(math.prod(s) for s in shapes))
-        m = world * align
-        units.append(UnitSpec(name, i, paths, shapes, dtypes, treedef, K, -(-K // m) * m, world))
+        units.append(UnitSpec(name, i, paths, shapes, dtypes, treedef, K,
+                              padded_size(shapes, world, align, sharding), world, sharding))
     return Layout(tuple(units), world)
 
 
@@ -139,23 +218,46 @@ def flatten_unit(spec: UnitSpec, tree) -> jax.Array:
     for leaf, shp, path in zip(leaves, spec.shapes, spec.paths):
         if tuple(np.shape(leaf)) != shp:
             raise ValueError(f"unit {spec.name!r} leaf {path}: shape {tuple(np.shape(leaf))} != layout {shp}")
-    flat = jnp.concatenate([jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves])
-    return jnp.pad(flat, (0, spec.padded - spec.numel))
+    return flat_from_pieces(spec, [jnp.ravel(jnp.asarray(x, jnp.float32)) for x in leaves])
+
+
+def flat_from_pieces(spec: UnitSpec, pieces: Sequence[jax.Array]) -> jax.Array:
+    """The unit's flat vector [Kp] (in the pieces' dtype) from its leaves as flat pieces
+    (leaf_pieces' sizes), in the spec's sharding order. Traceable."""
+    if not spec.per_leaf:
+        return jnp.pad(jnp.concatenate(pieces), (0, spec.padded - spec.numel))
+    W, S = spec.world, spec.shard
+    cols = [jnp.pad(x, (0, W * s - n)).reshape(W, s) for x, (_, n), (_, s) in zip(pieces, spec.leaf_pieces(), spec.leaf_shards())]
+    tail = S - sum(s for _, s in spec.leaf_shards())
+    if tail:
+        cols.append(jnp.zeros((W, tail), pieces[0].dtype))
+    return jnp.concatenate(cols, axis=1).reshape(-1)
+
+
+def leaf_views(spec: UnitSpec, flat: jax.Array) -> list[jax.Array]:
+    """The flat unit [Kp] (or, contiguous only, [K]) cut into its leaves as flat pieces."""
+    if not spec.per_leaf:
+        return [flat[o:o + n] for o, n in spec.leaf_pieces()]
+    rows = flat.reshape(spec.world, spec.shard)
+    return [rows[:, off:off + s].reshape(-1)[:n] for (_, n), (off, s) in zip(spec.leaf_pieces(), spec.leaf_shards())]
 
 
 def unflatten_unit(spec: UnitSpec, flat, dtype=None, compute_dtype=None) -> Any:
-    """fp32 vector of length K or Kp -> unit subtree (leaves cast to `dtype` or their own; with
-    `compute_dtype`, the float leaves to it instead -- mixed precision computes in it). `flat` may
-    also be the unit already cut at `spec.leaf_pieces()` (a tuple of flat leaves)."""
+    """fp32 vector of length Kp (or K, contiguous sharding only) -> unit subtree (leaves cast to
+    `dtype` or their own; with `compute_dtype`, the float leaves to it instead -- mixed precision
+    computes in it). `flat` may also be the unit already cut at `spec.leaf_pieces()` (a tuple of
+    flat leaves), whatever the sharding."""
     if isinstance(flat, (tuple, list)):
         sizes = [n for _, n in spec.leaf_pieces()]
         if [int(np.size(x)) for x in flat] != sizes:
             raise ValueError(f"unit {spec.name!r}: pieces of sizes {[int(np.size(x)) for x in flat]}, expected {sizes}")
         pieces = flat
+    elif spec.per_leaf and flat.shape != (spec.padded,):
+        raise ValueError(f"unit {spec.name!r} (per_leaf sharding): flat shape {flat.shape}, expected ({spec.padded},)")
     elif flat.shape not in ((spec.numel,), (spec.padded,)):
         raise ValueError(f"unit {spec.name!r}: flat shape {flat.shape}, expected ({spec.numel},) or ({spec.padded},)")
     else:
-        pieces = [flat[o:o + n] for o, n in spec.leaf_pieces()]
+        pieces = leaf_views(spec, flat)
 
     def cast(dt):
         if compute_dtype is not None and jnp.issubdtype(jnp.dtype(dt), jnp.floating):

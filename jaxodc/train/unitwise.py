@@ -76,10 +76,15 @@ class UnitwiseOptimizer:
       shards: the local shards {unit: array} (arrays or ShapeDtypeStruct).
       opt_state: its state for them.
       reduce_for: version -> the scalar all-sum `global_sum` is bound to (the trainer's reduce_fn).
+      axis_env: [(axis name, size)] the all-sum's collectives need to be traced (a psum meant for
+        a shard_map; the collective trainer).
+      compile: (step, mine, shared, first) -> the callable running `step` (default: jax.jit
+        donating its first argument, the unit's state leaves); `mine` / `shared`: the indices of
+        the unit's and the shared state leaves; `first`: whether the call returns the shared ones.
     """
 
     def __init__(self, optimizer: optax.GradientTransformation, shards: dict, opt_state,
-                 reduce_for: Callable[[Any], Callable]):
+                 reduce_for: Callable[[Any], Callable], *, axis_env=None, compile: Callable | None = None):
         self.names = tuple(shards)
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
@@ -94,7 +99,8 @@ class UnitwiseOptimizer:
         self._update = update
         # Inputs tagged by what they are; outputs' dependencies checked against the rule.
         args = (spec(shards), [x for _, x in paths], spec(shards), jax.ShapeDtypeStruct((), "int32"))
-        closed, out_shape = jax.make_jaxpr(update, return_shape=True)(*args)
+        self._compile = compile or (lambda step, mine, shared, first: jax.jit(step, donate_argnums=(0,)))
+        closed, out_shape = jax.make_jaxpr(update, axis_env=axis_env, return_shape=True)(*args)
         flat_names = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]]
         tags = ([("shard", n) for n in flat_names] + [("state", u) for u in self._state_unit]
                 + [("grad", n) for n in flat_names] + [("version", None)])
@@ -128,7 +134,7 @@ class UnitwiseOptimizer:
                 upd, new = self._update(shards, leaves, grads, v)
                 return upd[unit], [new[i] for i in mine], ([new[i] for i in shared] if first else [])
 
-            self._steps[key] = (jax.jit(step, donate_argnums=(0,)), mine, shared)
+            self._steps[key] = (self._compile(step, mine, shared, first), mine, shared)
         return self._steps[key]
 
     def calls(self, shards: dict, opt_state, grads: dict, version):
