@@ -3,6 +3,8 @@ linen Llama (nn.scan stack, tied head), an nnx classifier, a plain-JAX loss (lax
 custom_vjp, a frozen subtree, an int leaf), a linen CNN with BatchNorm (mutable batch_stats) and an
 nnx net with BatchNorm and dropout (mutable nnx.BatchStat), against single-process
 jax.value_and_grad training on the same data, at 1, 2 and 3 ranks."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +151,7 @@ def counts(world, comm):
     return [2 + (comm == "odc" and r == 0) for r in range(world)]
 
 
+@functools.cache  # shared with tests/test_mixed_precision.py in one session (llama: ~10 s each)
 def reference(case, comm, world):
     """Single-process training on the union of every rank's microbatches."""
     loss_fn, params, batch, count, policy = CASES[case]()
