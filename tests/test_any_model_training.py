@@ -1,7 +1,10 @@
 """Models that were not written for jaxodc, trained by the sharded trainers across processes: a
 linen Llama (nn.scan stack, tied head), an nnx classifier, a plain-JAX loss (lax.scan, lax.cond,
-custom_vjp, a frozen subtree, an int leaf) and a linen CNN with BatchNorm (mutable batch_stats),
-against single-process jax.value_and_grad training on the same data, at 1, 2 and 3 ranks."""
+custom_vjp, a frozen subtree, an int leaf), a linen CNN with BatchNorm (mutable batch_stats) and an
+nnx net with BatchNorm and dropout (mutable nnx.BatchStat), against single-process
+jax.value_and_grad training on the same data, at 1, 2 and 3 ranks."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,13 +83,57 @@ def cnn_case():
     return loss_fn, params, batch, lambda b: float(b["mask"].sum()), {}
 
 
+def nnx_bn_model():
+    """nnx: Linear -> BatchNorm (statistics over the real rows only: `mask=`) -> relu -> Dropout ->
+    Linear, a masked squared-error sum. Its state holds float BatchNorm statistics (trained as
+    mutable nnx.BatchStat) and the dropout stream's key and counter (constants)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            # no bias before BatchNorm: it subtracts any bias, whose gradient is then 0 up to fp32
+            # noise, which Adam would turn into steps of lr in either direction
+            self.lin = nnx.Linear(3, 6, use_bias=False, rngs=rngs)
+            self.bn = nnx.BatchNorm(6, momentum=0.8, rngs=rngs)
+            self.drop = nnx.Dropout(0.25, rngs=rngs)
+            self.out = nnx.Linear(6, 2, rngs=rngs)
+
+        def __call__(self, b):
+            valid = b["mask"] > 0
+            rows = jnp.where(jnp.any(valid), valid, True)[:, None]  # an all-padding microbatch stays finite
+            h = self.bn(self.lin(b["x"]), mask=jnp.broadcast_to(rows, (b["x"].shape[0], 6)))
+            y = self.out(self.drop(jax.nn.relu(h)))
+            return jnp.sum((y - b["t"]) ** 2 * b["mask"][:, None])
+
+    return Net(nnx.Rngs(0, dropout=1))
+
+
+def nnx_bn_case():
+    from flax import nnx
+    from jaxodc.train.adapters import nnx_loss_fn
+    loss_fn, tree = nnx_loss_fn(nnx_bn_model(), lambda m, b: m(b), rngs=("dropout",), mutable=nnx.BatchStat)
+
+    def batch(step, rank, j):
+        # 2..4 real rows of 5 (the statistics' weights differ per microbatch); the dropout key is in
+        # the batch (raw key data: the collective trainer stacks batch leaves by rank)
+        rs = np.random.RandomState([step, rank, j, 4])
+        n = 2 + (step + rank + j) % 3
+        mask = (np.arange(5) < n).astype(np.float32)
+        return {"x": (rs.standard_normal((5, 3)) * mask[:, None]).astype(np.float32),
+                "t": rs.standard_normal((5, 2)).astype(np.float32), "mask": mask,
+                "rng": np.asarray(jax.random.key_data(jax.random.key(1000 * step + 10 * rank + j)))}
+    # one unit per layer (the default groups this small net into one): BatchNorm in a stage of its own
+    units = {name: (f"params/{name}/*",) for name in ("lin", "bn", "out")}
+    return loss_fn, tree, batch, lambda b: float(b["mask"].sum()), {"units": units}
+
+
 def load_digits_cached():
     from sklearn.datasets import load_digits
     d = load_digits()
     return d.data[:200], d.target[:200]
 
 
-CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case, "cnn": cnn_case}
+CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case, "cnn": cnn_case, "nnx_bn": nnx_bn_case}
 
 
 def host(x):
@@ -104,6 +151,7 @@ def counts(world, comm):
     return [2 + (comm == "odc" and r == 0) for r in range(world)]
 
 
+@functools.cache  # shared with tests/test_mixed_precision.py in one session (llama: ~10 s each)
 def reference(case, comm, world):
     """Single-process training on the union of every rank's microbatches."""
     loss_fn, params, batch, count, policy = CASES[case]()
@@ -117,10 +165,13 @@ def _reference(loss_fn, params, batch, count, comm, world, frozen=()):
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     leaves, tree = jax.tree_util.tree_flatten(params)
-    stateful = isinstance(jax.eval_shape(loss_fn, params, batch(0, 0, 0)), tuple)
-    kept = tuple(f.rstrip("*") for f in frozen) + (("batch_stats/",) if stateful else ())
+    out = jax.eval_shape(loss_fn, params, batch(0, 0, 0))
+    stateful = isinstance(out, tuple)
+    state_at = {jax.tree_util.keystr(p, simple=True, separator="/")
+                for p, _ in jax.tree_util.tree_flatten_with_path(out[1])[0]} if stateful else set()
+    kept = tuple(f.rstrip("*") for f in frozen)
     trained = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)
-               and not paths[i].startswith(kept)]
+               and not paths[i].startswith(kept) and paths[i] not in state_at]
 
     def loss_of(floats, rest, b):
         full = list(rest)
@@ -150,9 +201,9 @@ def _reference(loss_fn, params, batch, count, comm, world, frozen=()):
         floats = optax.apply_updates(floats, upd)
         losses.append(loss)
         if stateful:  # write the mean state back into its leaves
-            full = jax.tree_util.tree_unflatten(tree, rest)
-            full = {**full, **jax.tree_util.tree_map(lambda x: np.float32(x / total), new)}
-            rest = jax.tree_util.tree_leaves(full)
+            mean = {jax.tree_util.keystr(p, simple=True, separator="/"): np.float32(x / total)
+                    for p, x in jax.tree_util.tree_flatten_with_path(new)[0]}
+            rest = [mean.get(path, x) for path, x in zip(paths, rest)]
     full = list(rest)
     for i, x in zip(trained, floats):
         full[i] = x
@@ -184,11 +235,13 @@ def train_body(ctx, case, comm):
         import tempfile
         path = os.path.join(tempfile.gettempdir(), f"jaxodc_state_ckpt_{ctx.job_id}")
         tr.save(path)
-        once = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        once = (train(STEPS), [host(c) for c in tr.local_consts()])
         tr.restore(path)
-        assert all(np.array_equal(a, b) for a, b in zip(tr.local_consts(), jax.tree_util.tree_leaves(
-            full["batch_stats"])))
-        again = (train(STEPS), [np.asarray(c) for c in tr.local_consts()])
+        flat = {jax.tree_util.keystr(p, simple=True, separator="/"): x
+                for p, x in jax.tree_util.tree_flatten_with_path(full)[0]}
+        state = tr.program.state
+        assert all(np.array_equal(tr.local_consts()[i], flat[p]) for i, p in zip(state.consts, state.paths))
+        again = (train(STEPS), [host(c) for c in tr.local_consts()])
         assert once[0] == again[0] and all(np.array_equal(a, b) for a, b in zip(once[1], again[1]))
     tr.close()
     if tr.program.state is not None and ctx.rank == 0:
@@ -206,6 +259,7 @@ RUNS += [pytest.param(*run, marks=pytest.mark.slow) for run in [
     ("llama", "odc", 3), ("nnx", "collective", 3), ("plain", "odc", 3),
     ("llama", "collective", 1), ("nnx", "odc", 1), ("plain", "odc", 1)]]
 RUNS += [("cnn", comm, world) for world in (1, 2, 3) for comm in ("odc", "collective")]
+RUNS += [("nnx_bn", comm, 2) for comm in ("odc", "collective")]
 
 
 @pytest.mark.parametrize("case,comm,world", RUNS)
@@ -218,3 +272,6 @@ def test_sharded_training_equals_single_process(case, comm, world):
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(full), jax.tree_util.tree_leaves(ref_params)):
             np.testing.assert_allclose(a, host(b), rtol=1e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
     assert len(results[0][2]) > 2  # the discovered units
+    if case == "nnx_bn":  # the statistics moved from their initial zeros and ones
+        stats = ref_params["state"]["bn"]
+        assert np.abs(np.asarray(stats["mean"])).min() > 1e-3 and np.abs(np.asarray(stats["var"]) - 1).min() > 1e-3

@@ -1,7 +1,8 @@
 """Mutable model state in the sharded trainers' programs (jaxodc/train/state.py), in process: which
 outputs count as state, the refusals (metrics, non-float leaves, a runtime without the state
 unit), the weighted sums, and an nnx BatchNorm model's state through the staged gradient. The
-trainers themselves, across ranks: tests/test_any_model_training.py (the CNN)."""
+trainers themselves, across ranks: tests/test_any_model_training.py (the linen CNN, an nnx
+BatchNorm + dropout net)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
