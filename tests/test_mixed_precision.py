@@ -48,7 +48,7 @@ def recording(loss_fn, seen):
     return loss
 
 
-def bf16_body(ctx, comm):
+def bf16_body(ctx, comm, precision):
     if comm == "collective":
         from jaxodc.launch.context import init_jax_distributed
         init_jax_distributed(ctx)
@@ -59,7 +59,7 @@ def bf16_body(ctx, comm):
         loss_fn, params, batch, count, policy = CASES[case]()
         seen = []
         step_fn = jaxodc.sharded_step(recording(loss_fn, seen), optimizer(), comm=comm, unit_policy=policy,
-                                      precision="bf16")
+                                      precision=precision)
         tr = step_fn.init(params, ctx=ctx, example_batch=batch(0, 0, 0))
         n = counts(ctx.world, comm)
         losses = []
@@ -77,9 +77,11 @@ def leaves_by_path(tree):
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("comm", ["odc", "collective"])
-def test_bf16_training_tracks_fp32(comm):
-    results = run_ranks(bf16_body, 2, args=(comm,), timeout_s=300)
+@pytest.mark.parametrize("comm, precision", [("odc", "bf16"), ("collective", "bf16"),
+                                             ("collective", "bf16,reduce=fp32")])
+def test_bf16_training_tracks_fp32(comm, precision):
+    """(The collective also with its reduce-scatter in fp32: MixedPrecision.reduce_dtype.)"""
+    results = run_ranks(bf16_body, 2, args=(comm, precision), timeout_s=300)
     for case in MODELS:
         ref_losses, ref_params = reference(case, comm, 2)
         ref = leaves_by_path(ref_params)
