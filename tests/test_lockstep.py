@@ -84,6 +84,73 @@ def test_ops_equal_jax_collectives(world, link):
             np.testing.assert_array_equal(ranks[r][call]["jit"][2].view(np.uint32), ranks[0][call]["jit"][2].view(np.uint32))
 
 
+ORDER_SIZES, ORDER_ROUNDS = (5, 300, 17, 1000, 64, 1, 129), 4
+
+
+def orders_body(ctx, link):
+    """Channels of several sizes and kinds called at once from threads, in an order that differs by
+    rank: posts contend for the two staging areas shared by every channel, and those that find both
+    unread wait for them on the progress thread."""
+    import threading
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+
+    W, r = ctx.world, ctx.rank
+    kinds = ("gather", "scatter", "reduce")
+    chans = [Channel(kinds[i % 3], n, f"c{i}") for i, n in enumerate(ORDER_SIZES)]
+    group = LockstepGroup(chans, rank=r, world=W, allgather=_allgather(ctx), link=link, timeout_s=60.0)
+    results, errors = {}, []
+
+    def worker(c):
+        try:
+            for call in range(ORDER_ROUNDS):
+                x = np.random.default_rng([c, call, r]).normal(size=group.in_size(c)).astype(np.float32)
+                results[f"{c},{call}"] = group.run(c, x)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    order = list(range(len(chans)))[::(-1 if r % 2 else 1)]
+    threads = [threading.Thread(target=worker, args=(c,)) for c in order]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = {"results": results, "errors": errors, "segment": group.segment_bytes, "native": group.native_bytes}
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("world,link", [(2, "shm"), (3, "shm"), (3, "tcp")])
+def test_channels_share_staging_areas(world, link):
+    ranks = run_ranks(orders_body, world, args=(link,), timeout_s=120)
+    kinds = ("gather", "scatter", "reduce")
+    for r, got in enumerate(ranks):
+        assert not got["errors"], got["errors"]
+        for c, n in enumerate(ORDER_SIZES):
+            kind = kinds[c % 3]
+            size = world * n if kind == "scatter" else n
+            for call in range(ORDER_ROUNDS):
+                xs = [np.random.default_rng([c, call, q]).normal(size=size).astype(np.float32) for q in range(world)]
+                if kind == "gather":
+                    want = np.concatenate(xs)
+                else:
+                    part = [x[r * n:(r + 1) * n] if kind == "scatter" else x for x in xs]
+                    want = part[0].copy()
+                    for q in range(1, world):
+                        want += part[q]  # rank order, exactly
+                np.testing.assert_array_equal(got["results"][f"{c},{call}"], want)
+    # The segment: two staging areas of the largest post (a gather's n, a reduce-scatter's
+    # world - 1 slices) and a few pages of tables, not two areas per channel.
+    largest = max(n * (world - 1) if kinds[c % 3] == "scatter" else n for c, n in enumerate(ORDER_SIZES))
+    per_channel = sum(2 * 4 * (n * world if kinds[c % 3] == "scatter" else n) for c, n in enumerate(ORDER_SIZES))
+    for got in ranks:
+        assert 2 * 4 * largest < got["segment"] <= 2 * 4 * largest + 2 * 4096, (got["segment"], largest)
+        assert got["segment"] < per_channel
+        if link == "tcp":  # receive double buffers of every channel, per tcp peer
+            assert got["native"] == got["segment"] + (world - 1) * 2 * 4 * sum(ORDER_SIZES)
+        else:
+            assert got["native"] == got["segment"]
+
+
 def errors_body(ctx):
     from jaxodc.comm.lockstep import Channel, LockstepGroup
     from jaxodc.ops.lockstep import lockstep_collective
@@ -106,7 +173,22 @@ def errors_body(ctx):
     ctx.barrier("test_lockstep/timeout")
     if r == 0:
         out["timeout"] = error_text(lambda: group.run(0, np.zeros(4, np.float32)))
+    # Three calls at once while rank 1 makes none: two fill rank 0's staging areas, the third
+    # times out waiting for one, naming the peer that has not read them.
+    busy = LockstepGroup([Channel("gather", 4, f"b{i}") for i in range(3)], rank=r, world=W, allgather=ag,
+                         timeout_s=2.0)
+    if r == 0:
+        import threading
+        msgs = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: msgs.__setitem__(i, error_text(
+            lambda: busy.run(i, np.zeros(4, np.float32))))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out["busy"] = msgs
     ctx.barrier("test_lockstep/closed")
+    busy.close()
     group.close()
     out["closed"] = error_text(lambda: group.run(0, np.zeros(4, np.float32)))
     return out
@@ -123,6 +205,10 @@ def test_errors():
         assert "closed" in o["closed"] or "no live" in o["closed"], o["closed"]
     t = out[0]["timeout"]
     assert "TimeoutError" in t and "'g'" in t and "waiting for rank 1" in t and "timed out after 2" in t, t
+    busy = out[0]["busy"]
+    assert all("TimeoutError" in m and "timed out after 2" in m and "rank 1" in m for m in busy), busy
+    staged = [m for m in busy if "free staging area" in m]
+    assert len(staged) == 1 and "rank 1 has not read call 0 on channel 'b" in staged[0], busy
 
 
 def dead_peer_body(ctx, link, path):

@@ -34,6 +34,8 @@ void bind_lockstep(nb::module_& m, nb::dict& targets) {
       .def_prop_ro("layout_hash", &Group::layout_hash)
       .def_prop_ro("handle", &Group::handle, "names this group in jitted lockstep ops, from connect on")
       .def_prop_ro("shm_name", &Group::shm_name)
+      .def_prop_ro("segment_bytes", &Group::segment_bytes, "this rank's shm segment (header, post table, staging areas)")
+      .def_prop_ro("tcp_buffer_bytes", &Group::tcp_buffer_bytes, "this rank's receive buffers for its tcp peers")
       .def("in_elems", &Group::in_elems)
       .def("out_elems", &Group::out_elems)
       .def(

@@ -61,15 +61,19 @@ Group::Group(int rank, int world, const std::string& shm_name, const std::vector
     layout_hash_ = fnv1a(layout_hash_, &ch.n, sizeof(ch.n));
   }
 
-  // Segment: header, post table (2 entries per channel), then 2 areas per channel.
+  // Segment: header, post table (2 entries per channel), the staging areas' headers and read
+  // flags, then kSlots staging areas of the largest post (none at world 1: nobody reads them).
   const int nc = num_channels();
-  size_t off = align_up(kTableOffset + sizeof(PostEntry) * 2 * nc, 64);
+  for (int c = 0; c < nc; ++c) slot_elems_ = std::max(slot_elems_, post_elems(c));
+  if (world == 1) slot_elems_ = 0;
+  const size_t slots_offset = align_up(kTableOffset + sizeof(PostEntry) * 2 * nc, 64);
+  const size_t unread_offset = align_up(slots_offset + sizeof(SlotHeader) * kSlots, 64);
+  size_t off = align_up(unread_offset + sizeof(uint32_t) * kSlots * world, 64);
   std::vector<uint64_t> offsets;
-  for (int c = 0; c < nc; ++c)
-    for (int par = 0; par < 2; ++par) {
-      offsets.push_back(off);
-      off = align_up(off + static_cast<size_t>(in_elems(c)) * 4, 64);
-    }
+  for (int k = 0; k < kSlots; ++k) {
+    offsets.push_back(off);
+    off = align_up(off + static_cast<size_t>(slot_elems_) * 4, 64);
+  }
   const size_t bytes = align_up(off, 4096);
   int fd = shm_open(shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw Error(who + ": shm_open(" + shm_name + "): " + strerror(errno));
@@ -96,12 +100,24 @@ Group::Group(int rank, int world, const std::string& shm_name, const std::vector
   h->num_channels = nc;
   h->layout_hash = layout_hash_;
   h->bytes = bytes;
+  h->num_slots = kSlots;
+  h->slot_bytes = static_cast<uint64_t>(slot_elems_) * 4;
+  h->slots_offset = slots_offset;
+  h->unread_offset = unread_offset;
   for (int c = 0; c < nc; ++c)
     for (int par = 0; par < 2; ++par) {
       PostEntry* e = h->entry(c, par);
-      e->offset = offsets[2 * c + par];
       e->seq.store(-1, std::memory_order_relaxed);
+      e->slot.store(-1, std::memory_order_relaxed);
     }
+  for (int k = 0; k < kSlots; ++k) {
+    SlotHeader* sl = h->slot(k);
+    sl->left.store(0, std::memory_order_relaxed);
+    sl->channel = -1;
+    sl->seq = -1;
+    sl->offset = offsets[k];
+    for (int r = 0; r < world; ++r) h->unread(k, r)->store(0, std::memory_order_relaxed);
+  }
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kMagic;
 
@@ -149,6 +165,19 @@ int64_t Group::out_elems(int c) const {
   return ch.kind == Kind::kGather ? ch.n * world_ : ch.n;
 }
 
+int64_t Group::post_elems(int c) const {
+  const ChannelSpec& ch = channel(c);
+  return ch.kind == Kind::kScatter ? ch.n * (world_ - 1) : ch.n;
+}
+
+int64_t Group::segment_bytes() const { return static_cast<int64_t>(segment_->bytes); }
+
+int64_t Group::tcp_buffer_bytes() const {
+  int64_t total = 0;
+  for (const auto& p : peers_) total += static_cast<int64_t>(p->recv.size()) * 4;
+  return total;
+}
+
 void Group::check_open(const char* op) const {
   if (closed_) throw Error(std::string(op) + ": the lockstep group of rank " + std::to_string(rank_) + " is closed");
 }
@@ -179,8 +208,11 @@ void Group::connect(const std::vector<PeerConfig>& configs) {
       if (h->magic != kMagic || h->rank != cfg.rank || h->world != world_) throw PeerError(of + " is not one");
       if (h->layout_hash != layout_hash_)
         throw Error(of + " has other channels than rank " + std::to_string(rank_) + "'s (channel layout differs)");
+      if (h->num_slots != kSlots || h->slot_bytes != static_cast<uint64_t>(slot_elems_) * 4)
+        throw Error(of + " has other staging areas than rank " + std::to_string(rank_) + "'s");
       peer.pid = h->pid;
       peer.link = Link::kShm;
+      ++shm_readers_;
     } else if (cfg.link == Link::kTcp) {
       peer.recv_offset.clear();
       size_t total = 0;
@@ -216,42 +248,80 @@ std::string Group::describe(const Call& call) const {
 
 void Group::ring_doorbell() { signal_event(&segment_->hdr->doorbell); }
 
-void Group::post(Call& call) {
-  const ChannelSpec& ch = channels_[call.c];
-  const int64_t count = in_elems(call.c);
-  bool shm_peers = false, tcp_peers = false;
-  for (auto& p : peers_) {
-    shm_peers |= p->link == Link::kShm;
-    tcp_peers |= p->link == Link::kTcp;
+int Group::claim_slot() {
+  std::lock_guard<std::mutex> lock(post_mu_);
+  SegmentHeader* h = segment_->hdr;
+  for (int k = 0; k < kSlots; ++k) {
+    SlotHeader* sl = h->slot(k);
+    // acquire: the readers' copies out of the area happened before their release of it
+    if (sl->left.load(std::memory_order_acquire) != 0) continue;
+    sl->left.store(shm_readers_, std::memory_order_relaxed);
+    return k;
   }
-  if (shm_peers) {
+  return -1;
+}
+
+void Group::release(int r, int slot) {
+  SegmentHeader* h = peers_[r]->seg->hdr;
+  h->unread(slot, rank_)->store(0, std::memory_order_relaxed);
+  if (h->slot(slot)->left.fetch_sub(1, std::memory_order_acq_rel) == 1) signal_event(&h->doorbell);
+}
+
+bool Group::post(Call& call) {
+  if (call.posted) return true;
+  const ChannelSpec& ch = channels_[call.c];
+  if (shm_readers_ > 0) {
+    const int k = claim_slot();
+    if (k < 0) return false;
     SegmentHeader* h = segment_->hdr;
+    SlotHeader* sl = h->slot(k);
+    float* dst = h->data(k);
+    if (ch.kind == Kind::kScatter) {
+      // Only the peers' slices travel: slice q at position q (q < me) or q - 1 (q > me).
+      for (int q = 0, at = 0; q < world_; ++q)
+        if (q != rank_) std::memcpy(dst + static_cast<int64_t>(at++) * ch.n, call.in + q * ch.n, static_cast<size_t>(ch.n) * 4);
+    } else {
+      std::memcpy(dst, call.in, static_cast<size_t>(ch.n) * 4);
+    }
+    sl->channel = call.c;
+    sl->seq = call.seq;
+    for (auto& p : peers_)
+      if (p->link == Link::kShm) h->unread(k, p->rank)->store(1, std::memory_order_relaxed);
     PostEntry* e = h->entry(call.c, call.seq);
-    std::memcpy(h->data(e), call.in, static_cast<size_t>(count) * 4);
+    e->slot.store(k, std::memory_order_relaxed);
     e->seq.store(call.seq, std::memory_order_release);
     for (auto& p : peers_)
       if (p->link == Link::kShm) signal_event(&p->seg->hdr->doorbell);
   }
-  if (tcp_peers) {
-    for (auto& p : peers_) {
-      if (p->link != Link::kTcp) continue;
-      // A reduce-scatter sends each owner only its slice.
-      const float* data = ch.kind == Kind::kScatter ? call.in + p->rank * ch.n : call.in;
-      tcp_->send(*p, call.c, call.seq, data, ch.n);
-    }
+  call.posted = true;  // before the sends: a failed send fails the call, it is never retried
+  for (auto& p : peers_) {
+    if (p->link != Link::kTcp) continue;
+    // A reduce-scatter sends each owner only its slice.
+    const float* data = ch.kind == Kind::kScatter ? call.in + p->rank * ch.n : call.in;
+    tcp_->send(*p, call.c, call.seq, data, ch.n);
   }
+  return true;
 }
 
-const float* Group::arrived(Call& call, int r) {
+const float* Group::arrived(Call& call, int r, int* slot) {
   const ChannelSpec& ch = channels_[call.c];
-  const int64_t slice = ch.kind == Kind::kScatter ? static_cast<int64_t>(rank_) * ch.n : 0;
   Peer& p = *peers_[r];
-  if (r == rank_) return call.in + slice;
+  *slot = -1;
+  if (r == rank_) return call.in + (ch.kind == Kind::kScatter ? static_cast<int64_t>(rank_) * ch.n : 0);
   if (p.link == Link::kShm) {
     SegmentHeader* h = p.seg->hdr;
     PostEntry* e = h->entry(call.c, call.seq);
     const int64_t seen = e->seq.load(std::memory_order_acquire);
-    if (seen == call.seq) return h->data(e) + slice;
+    if (seen == call.seq) {
+      const int k = e->slot.load(std::memory_order_relaxed);
+      if (k < 0 || k >= h->num_slots)
+        throw PeerError(describe(call) + ": rank " + std::to_string(r) + " posted it into staging area " +
+                        std::to_string(k) + " (it has " + std::to_string(h->num_slots) + ")");
+      *slot = k;
+      // A reduce-scatter's area holds the writer's peers' slices: mine at rank_ or rank_ - 1.
+      const int64_t at = ch.kind == Kind::kScatter ? (rank_ < r ? rank_ : rank_ - 1) : 0;
+      return h->data(k) + at * ch.n;
+    }
     if (seen > call.seq)
       throw PeerError(describe(call) + ": rank " + std::to_string(r) + " already posted call " + std::to_string(seen) +
                       " of this channel (out of step: ranks must make the same calls on every channel)");
@@ -270,33 +340,36 @@ const float* Group::arrived(Call& call, int r) {
 bool Group::advance(Call& call) {
   const ChannelSpec& ch = channels_[call.c];
   const size_t bytes = static_cast<size_t>(ch.n) * 4;
-  // A shm peer's area must still hold this call after the copy (it cannot be reposted before every
-  // rank finished reading it, unless a rank is out of step).
-  auto still_there = [&](int r) {
-    if (r == rank_ || peers_[r]->link != Link::kShm) return;
-    const int64_t seen = peers_[r]->seg->hdr->entry(call.c, call.seq)->seq.load(std::memory_order_acquire);
-    if (seen != call.seq)
+  // A shm peer's post must still be this call after the copy (its entry cannot be reposted before
+  // every rank finished reading it, unless a rank is out of step); then its area is released.
+  auto done_with = [&](int r, int slot) {
+    if (slot < 0) return;
+    SegmentHeader* h = peers_[r]->seg->hdr;
+    const int64_t seen = h->entry(call.c, call.seq)->seq.load(std::memory_order_acquire);
+    if (seen != call.seq || h->slot(slot)->seq != call.seq || h->slot(slot)->channel != call.c)
       throw PeerError(describe(call) + ": rank " + std::to_string(r) + " reposted its area while it was read (call " +
                       std::to_string(seen) + "; out of step)");
+    release(r, slot);
   };
+  int slot = -1;
   if (ch.kind == Kind::kGather) {
     bool all = true;
     for (int r = 0; r < world_; ++r) {
       if (call.got[r]) continue;
-      const float* src = arrived(call, r);
+      const float* src = arrived(call, r, &slot);
       if (!src) {
         all = false;
         continue;
       }
       std::memcpy(call.out + r * ch.n, src, bytes);
-      still_there(r);
       call.got[r] = 1;
+      done_with(r, slot);
     }
     return all;
   }
   // Sums in rank order: the same bits on every rank, whatever the arrival order.
   while (call.next < world_) {
-    const float* src = arrived(call, call.next);
+    const float* src = arrived(call, call.next, &slot);
     if (!src) return false;
     if (call.next == 0) {
       std::memcpy(call.out, src, bytes);
@@ -304,8 +377,8 @@ bool Group::advance(Call& call) {
       float* out = call.out;
       for (int64_t i = 0; i < ch.n; ++i) out[i] += src[i];
     }
-    still_there(call.next);
     ++call.next;
+    done_with(call.next - 1, slot);
   }
   return true;
 }
@@ -346,8 +419,8 @@ void Group::start(int c, const float* in, float* out, std::function<void(const s
   call->started = now_seconds();
   call->deadline = call->started + timeout_s_;
   try {
-    post(*call);
-    if (advance(*call)) return finish(*call, "");
+    const bool posted = post(*call);
+    if (advance(*call) && posted) return finish(*call, "");
   } catch (const std::exception& e) {
     return finish(*call, e.what());
   }
@@ -370,19 +443,37 @@ void Group::run(int c, const float* in, float* out) {
 
 std::string Group::waiting_on(Call& call, bool check_alive) {
   const ChannelSpec& ch = channels_[call.c];
+  auto check = [&](int r, const std::string& what) {
+    Peer& p = *peers_[r];
+    if (!check_alive || p.link != Link::kShm) return;
+    if (p.seg->hdr->closing.load(std::memory_order_acquire))
+      throw PeerError(describe(call) + ": waiting for " + what + ", which closed its lockstep group");
+    if (!odc::pid_alive(p.pid))
+      throw PeerError(describe(call) + ": waiting for " + what + " (pid " + std::to_string(p.pid) + "), which died");
+  };
+  if (!call.posted) {
+    // My staging areas are all unread: name the first peer that has not read one.
+    SegmentHeader* h = segment_->hdr;
+    for (int k = 0; k < kSlots; ++k)
+      for (int r = 0; r < world_; ++r)
+        if (r != rank_ && h->unread(k, r)->load(std::memory_order_relaxed)) {
+          const SlotHeader* sl = h->slot(k);
+          const std::string what = "rank " + std::to_string(r);
+          check(r, what);
+          return "waiting for a free staging area to post it: " + what + " has not read call " +
+                 std::to_string(sl->seq) + " on channel '" +
+                 (sl->channel >= 0 && sl->channel < num_channels() ? channels_[sl->channel].name : "?") +
+                 "' (staging area " + std::to_string(k) + ")";
+        }
+    return "waiting for a free staging area to post it";
+  }
   for (int r = ch.kind == Kind::kGather ? 0 : call.next; r < world_; ++r) {
     if (ch.kind == Kind::kGather && call.got[r]) continue;
-    Peer& p = *peers_[r];
-    std::string what = "rank " + std::to_string(r);
-    if (check_alive && p.link == Link::kShm) {
-      if (p.seg->hdr->closing.load(std::memory_order_acquire))
-        throw PeerError(describe(call) + ": waiting for " + what + ", which closed its lockstep group");
-      if (!odc::pid_alive(p.pid))
-        throw PeerError(describe(call) + ": waiting for " + what + " (pid " + std::to_string(p.pid) + "), which died");
-    }
-    return what;
+    const std::string what = "rank " + std::to_string(r);
+    check(r, what);
+    return "waiting for " + what + " to post it";
   }
-  return "nobody";
+  return "waiting for nobody";
 }
 
 void Group::progress_loop() {
@@ -402,13 +493,14 @@ void Group::progress_loop() {
     std::vector<std::pair<std::shared_ptr<Call>, std::string>> finished;
     for (auto& call : calls) {
       try {
-        if (advance(*call)) {
+        const bool posted = post(*call);
+        if (advance(*call) && posted) {
           finished.emplace_back(call, "");
         } else if (check) {
           const std::string who = waiting_on(*call, true);
           if (now > call->deadline)
             finished.emplace_back(call, describe(*call) + " timed out after " + std::to_string(timeout_s_) +
-                                            " s waiting for " + who + " to post it");
+                                            " s " + who);
         }
       } catch (const std::exception& e) {
         finished.emplace_back(call, e.what());

@@ -106,6 +106,18 @@ class LockstepGroup:
         """Names this group in jitted lockstep ops."""
         return int(self._native.handle)
 
+    @property
+    def segment_bytes(self) -> int:
+        """This rank's shared-memory segment: a header, the channels' post table and two staging
+        areas shared by every channel, each of the largest single post (csrc/lockstep/group.h)."""
+        return int(self._native.segment_bytes)
+
+    @property
+    def native_bytes(self) -> int:
+        """All this rank's memory in the group outside XLA: its segment and its tcp peers' receive
+        buffers (double buffers of every channel's n elements per tcp peer)."""
+        return int(self._native.segment_bytes) + int(self._native.tcp_buffer_bytes)
+
     def in_size(self, channel: int) -> int:
         return int(self._native.in_elems(channel))
 
