@@ -51,10 +51,16 @@ namespace jaxodc::lockstep {
 
 enum class Kind : int { kGather = 0, kScatter = 1, kReduce = 2 };
 
+// What a channel carries: float32, or bfloat16 (mixed precision's gathered units and their
+// gradients: half the bytes). bf16 sums add in float32 and round to bf16 (nearest even) after
+// every rank's addition, in rank order.
+enum class DType : int { kF32 = 0, kBF16 = 1 };
+
 struct ChannelSpec {
   Kind kind;
-  int64_t n;  // fp32 elements per rank: gather in n / out W*n; scatter in W*n / out n; reduce n / n
+  int64_t n;  // elements per rank: gather in n / out W*n; scatter in W*n / out n; reduce n / n
   std::string name;
+  DType dtype = DType::kF32;
 };
 
 enum class Link : int { kSelf = 0, kShm = 1, kTcp = 2 };
@@ -94,6 +100,7 @@ class Group {
   const ChannelSpec& channel(int c) const;
   int64_t in_elems(int c) const;
   int64_t out_elems(int c) const;
+  int elem_bytes(int c) const;  // 4 (float32) or 2 (bfloat16)
   // Elements call `c` puts into a staging area (the peers' slices of a reduce-scatter).
   int64_t post_elems(int c) const;
   // This rank's memory: its shm segment's bytes, and the tcp receive buffers (after connect).
@@ -105,11 +112,11 @@ class Group {
   // Removes this rank's segment name once every peer has mapped it, so a crash cannot leak it.
   void unlink_segment();
 
-  // Starts call `c` on `in` (in_elems(c) fp32) into `out` (out_elems(c) fp32); both must stay
+  // Starts call `c` on `in` (in_elems(c) elements of the channel's dtype) into `out` (out_elems(c)); both must stay
   // valid until `done` runs. `done` may run before start returns (everything was there).
-  void start(int c, const float* in, float* out, std::function<void(const std::string&)> done);
+  void start(int c, const void* in, void* out, std::function<void(const std::string&)> done);
   // start, then wait for it (host callers; not from XLA's threads).
-  void run(int c, const float* in, float* out);
+  void run(int c, const void* in, void* out);
 
   void close();
 
@@ -128,7 +135,7 @@ class Group {
   bool advance(Call& call);
   // Where peer p's contribution to `call` lies, or null when it has not arrived; `*slot`: the shm
   // peer's staging area holding it (-1 otherwise).
-  const float* arrived(Call& call, int p, int* slot);
+  const char* arrived(Call& call, int p, int* slot);
   void progress_loop();
   void finish(Call& call, const std::string& error);
   // Why `call` still waits ("waiting for rank r to ..."): the first peer whose data is missing, or
@@ -145,7 +152,7 @@ class Group {
   std::string shm_name_;
   bool linked_ = false;
   std::unique_ptr<Segment> segment_;
-  int64_t slot_elems_ = 0;  // capacity of a staging area
+  int64_t slot_bytes_ = 0;  // capacity of a staging area
   int shm_readers_ = 0;     // peers that read my staging areas (from connect on)
   std::mutex post_mu_;      // claims of staging areas
   std::vector<std::unique_ptr<Peer>> peers_;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "lockstep/group.h"
+#include "transport/shm.h"
 
 namespace jaxodc::lockstep {
 
@@ -62,15 +63,15 @@ struct SegmentHeader {
   std::atomic<uint32_t>* unread(int k, int reader) {
     return reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<char*>(this) + unread_offset) + k * world + reader;
   }
-  float* data(int k) { return reinterpret_cast<float*>(reinterpret_cast<char*>(this) + slot(k)->offset); }
+  char* data(int k) { return reinterpret_cast<char*>(this) + slot(k)->offset; }
 };
 static_assert(sizeof(SegmentHeader) <= kTableOffset, "the post table follows the header");
 
 // A segment mapped into this process (mine or a peer's), unmapped on destruction.
 struct Segment {
+  shm::Mapping map;
   SegmentHeader* hdr = nullptr;
   size_t bytes = 0;
-  ~Segment();
 };
 
 struct Peer {
@@ -81,8 +82,8 @@ struct Peer {
   // kTcp: my connection to its receiver, and its posts to me (per channel and parity).
   int send_fd = -1;
   std::mutex send_mu;
-  std::vector<float> recv;
-  std::vector<int64_t> recv_offset;                   // per channel: start of its 2 areas in recv
+  std::vector<char> recv;
+  std::vector<int64_t> recv_offset;                   // per channel: start (bytes) of its 2 areas in recv
   std::unique_ptr<std::atomic<int64_t>[]> recv_seq;  // per channel and parity, -1 until the first
   std::mutex fail_mu;
   std::string failure;  // why its connection to me died ("" while alive)
@@ -92,8 +93,9 @@ struct Peer {
 struct Call {
   int c;
   int64_t seq;
-  const float* in;
-  float* out;
+  const char* in;
+  char* out;
+  int64_t eb;  // element bytes
   std::function<void(const std::string&)> done;
   std::vector<char> got;  // gather: per rank, copied
   int next = 0;           // sums: the next rank to add (rank order)
@@ -109,8 +111,8 @@ class TcpLinks {
   ~TcpLinks() { stop(); }
   int port() const { return port_; }
   void connect(Peer& peer, const std::string& host, int port);
-  // Sends my post of call `seq` of channel `c` (`count` floats from `data`) to `peer`.
-  void send(Peer& peer, int c, int64_t seq, const float* data, int64_t count);
+  // Sends my post of call `seq` of channel `c` (`count` elements from `data`) to `peer`.
+  void send(Peer& peer, int c, int64_t seq, const char* data, int64_t count);
   void stop();
 
  private:

@@ -94,7 +94,9 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
 def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherFn:
     """`collective_gather` over a `LockstepGroup`: unit name -> its channels (forward gather,
     backward re-gather, reduce-scatter); all-gather forward, reduce-scatter (the sum over ranks, in
-    rank order) backward.
+    rank order) backward. The unit travels and is returned in the channels' dtype (bfloat16 under
+    mixed precision, as `collective_gather`'s compute dtype); the shard's gradient comes back in
+    float32.
 
     The forward pass's gather (the custom_vjp's primal) and the backward pass's re-gather (its fwd
     rule, which core.remat_stage's backward runs) use separate channels: nothing orders them (the last
@@ -102,15 +104,17 @@ def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherF
     from jaxodc.ops.lockstep import lockstep_collective
 
     def unit_gather(forward: int, regather: int, scatter: int):
+        dtype = jnp.dtype(group.channels[forward].dtype)
+
         @jax.custom_vjp
         def gather(shard):
-            return lockstep_collective(shard, group=group, channel=forward)
+            return lockstep_collective(shard.astype(dtype), group=group, channel=forward)
 
         def fwd(shard):
-            return lockstep_collective(shard, group=group, channel=regather), None
+            return lockstep_collective(shard.astype(dtype), group=group, channel=regather), None
 
         def bwd(_, ct):
-            return (lockstep_collective(ct, group=group, channel=scatter),)
+            return (lockstep_collective(ct.astype(dtype), group=group, channel=scatter).astype(jnp.float32),)
 
         gather.defvjp(fwd, bwd)
         return gather
@@ -211,9 +215,8 @@ class CollectiveTrainer(ShardedTrainer):
 
         self.residuals = self._zero_residuals()
         if transport == "jaxodc":
-            gather, new_sum = self._lockstep(lockstep or {})
-            # the lockstep channels carry fp32; mixed precision computes in bf16 after the gather
-            gather = (lambda g: lambda shard, spec, ctx: g(shard, spec, ctx).astype(compute_dtype))(gather)
+            # the units' channels carry the compute dtype (bf16 under mixed precision), as gloo's do
+            gather, new_sum = self._lockstep(lockstep or {}, jnp.dtype(compute_dtype).name)
         else:
             gather = collective_gather(AXIS, exchanges, compute_dtype)
             new_sum = lambda _: (lambda x: jax.lax.psum(x, AXIS))  # noqa: E731
@@ -251,16 +254,17 @@ class CollectiveTrainer(ShardedTrainer):
                                  donate_argnums=(0, 1, 2))
         self.version = 0
 
-    def _lockstep(self, kwargs: dict):
-        """Builds the lockstep group (two gather channels and a scatter channel per unit, the loss and optimizer
-        all-sums, allgather_bytes' channel); returns (the gather, sum name -> a fresh all-sum)."""
+    def _lockstep(self, kwargs: dict, dtype: str = "float32"):
+        """Builds the lockstep group (two gather channels and a scatter channel per unit in `dtype`, the loss
+        and optimizer all-sums, allgather_bytes' channel, in float32); returns (the gather, sum name -> a fresh
+        all-sum)."""
         from jaxodc.comm.lockstep import Channel, LockstepGroup
         channels, units = [], {}
         for n in self.layout.names:
             units[n] = (len(channels), len(channels) + 1, len(channels) + 2)
-            channels += [Channel("gather", self.layout[n].shard, f"{n} all_gather"),
-                         Channel("gather", self.layout[n].shard, f"{n} all_gather (backward)"),
-                         Channel("scatter", self.layout[n].shard, f"{n} reduce_scatter")]
+            channels += [Channel("gather", self.layout[n].shard, f"{n} all_gather", dtype),
+                         Channel("gather", self.layout[n].shard, f"{n} all_gather (backward)", dtype),
+                         Channel("scatter", self.layout[n].shard, f"{n} reduce_scatter", dtype)]
         sums = {"loss": len(channels), "optimizer": len(channels) + 1}
         channels += [Channel("reduce", 1, "loss all-sum"), Channel("reduce", 1, "optimizer all-sums")]
         self._host_channel = len(channels)
