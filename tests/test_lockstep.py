@@ -1,6 +1,8 @@
 """Lock-step collectives over jaxodc's transports (jaxodc.comm.lockstep, jaxodc.ops.lockstep) and
 CollectiveTrainer(transport="jaxodc"): against jax's own collectives (gloo) element by element, on
-2 and 3 processes, over shm and tcp; bad input; a dead or silent peer raises instead of hanging."""
+2 and 3 processes, over shm and tcp, in float32 and bfloat16; channels sharing the two staging
+areas when called at once in orders that differ by rank; bad input; a dead or silent peer, or one
+that never reads the staging areas, raises instead of hanging."""
 import os
 
 import ml_dtypes

@@ -21,7 +21,9 @@ constexpr uint64_t kMagic = 0x3230504b53434f4cULL;  // "LOCKSTP2": not the ODC m
 constexpr size_t kTableOffset = 256;
 
 // Staging areas per rank, shared by every channel (see group.h, "Buffers"): two, so that a rank
-// can post its next call while its peers still read the previous one.
+// can post its next call while its peers still read the previous one, and so that a host call's
+// post (allgather_bytes' channel, run while a jitted step may still be in flight) that a peer
+// reads only once its own host thread gets there never holds up the step's calls.
 constexpr int kSlots = 2;
 
 // Where call `seq` of a channel lies in the segment: entry seq % 2 of the channel names the
