@@ -237,7 +237,8 @@ _ALL_GATHER = ("all-gather", "all-gather-start")
 _LOCKSTEP = 'custom_call_target="jaxodc_lockstep"'
 
 
-# The collective's per_leaf units gather one parameter at a time, each all-gather inside the name
+# The collective's per_leaf units gather one parameter at a time (over gloo or the lock-step
+# transport), each all-gather inside the name
 # scope train.collective.GATHER_SCOPE + the unit's index: consecutive all-gathers of one scope
 # (forward and backward re-gathers differ in their jvp / transpose prefix) are one gathered unit,
 # alive from the first of them to the last use of any.
@@ -304,7 +305,7 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
         lockstep_gathers += step_gather
         if (op == "custom-call" and _ODC_GATHER.search(attrs)) or op in _ALL_GATHER or step_gather:
             instrs_of_gathers += 1
-            scope = _gather_scope(attrs) if op in _ALL_GATHER else None
+            scope = _gather_scope(attrs) if op in _ALL_GATHER or step_gather else None
             if scope is None or scope != prev_scope:  # a new gathered unit
                 born.append(i)
                 last.append(i)

@@ -133,18 +133,10 @@ def accounted(tr, batch: dict) -> dict:
 
 
 def lockstep_bytes(group) -> int:
-    """This rank's memory in a `LockstepGroup` (csrc/lockstep/group.cc): its shm segment (a 256-byte
-    header, a post table of two 16-byte entries per channel, then two areas per channel of the
-    channel's input, each 64-byte aligned; the whole page-aligned) and, per tcp peer, receive
-    double buffers of every channel's n elements."""
-    up = lambda x, a: (x + a - 1) // a * a  # noqa: E731
-    nc = len(group.channels)
-    off = up(256 + 16 * 2 * nc, 64)
-    for c in range(nc):
-        for _ in range(2):
-            off = up(off + group.in_size(c) * 4, 64)
-    tcp = sum(link == "tcp" for link in group.links)
-    return up(off, 4096) + tcp * 2 * 4 * sum(c.n for c in group.channels)
+    """This rank's memory in a `LockstepGroup`, as the group reports it (csrc/lockstep/group.cc):
+    its shm segment (header, post table, two staging areas shared by every channel, each of the
+    largest single post) and, per tcp peer, receive double buffers of every channel's n elements."""
+    return group.native_bytes
 
 
 def _step_peak(ma: dict) -> int:

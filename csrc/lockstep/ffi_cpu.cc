@@ -26,8 +26,10 @@ ffi::Future CollectiveCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   std::to_string(channel) + " (" + std::to_string(g->num_channels()) + " channels)");
   const int c = static_cast<int>(channel);
   const std::string at = "lockstep collective on channel '" + g->channel(c).name + "' of rank " + std::to_string(g->rank());
-  if (x.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
-    return failed(at + ": arrays must be float32");
+  const bool bf16 = g->channel(c).dtype == lockstep::DType::kBF16;
+  const ffi::DataType want = bf16 ? ffi::DataType::BF16 : ffi::DataType::F32;
+  if (x.element_type() != want || out->element_type() != want)
+    return failed(at + ": arrays must be " + (bf16 ? "bfloat16" : "float32") + " (the channel's dtype)");
   if (static_cast<int64_t>(x.element_count()) != g->in_elems(c) ||
       static_cast<int64_t>(out->element_count()) != g->out_elems(c))
     return failed(at + ": expected " + std::to_string(g->in_elems(c)) + " elements in and " +
@@ -35,7 +37,7 @@ ffi::Future CollectiveCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   std::to_string(out->element_count()));
   ffi::Promise promise;
   ffi::Future future(promise);
-  g->start(c, static_cast<const float*>(x.untyped_data()), static_cast<float*>(out->untyped_data()),
+  g->start(c, x.untyped_data(), out->untyped_data(),
            [promise](const std::string& error) mutable {
              if (error.empty()) promise.SetAvailable();
              else promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, error));

@@ -2,11 +2,6 @@
 // progress thread that finishes calls whose peers were late.
 #include "lockstep/group.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -14,7 +9,6 @@
 
 #include "common/handles.h"
 #include "lockstep/internal.h"
-#include "odc/segment.h"  // pid_alive
 
 namespace jaxodc::lockstep {
 
@@ -33,6 +27,22 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
   return h;
 }
 
+// bfloat16 <-> float32 (round to nearest even; NaNs stay NaNs).
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 const char* kind_name(Kind k) {
   return k == Kind::kGather ? "all_gather" : k == Kind::kScatter ? "reduce_scatter" : "all_reduce";
 }
@@ -40,10 +50,6 @@ const char* kind_name(Kind k) {
 }  // namespace
 
 Group* group_by_handle(int64_t handle) { return live_groups().find(handle); }
-
-Segment::~Segment() {
-  if (hdr) munmap(hdr, bytes);
-}
 
 Group::Group(int rank, int world, const std::string& shm_name, const std::vector<ChannelSpec>& channels,
              double timeout_s, const std::string& listen_host)
@@ -59,35 +65,29 @@ Group::Group(int rank, int world, const std::string& shm_name, const std::vector
     if (k < 0 || k > 2) throw Error(who + ": channel '" + ch.name + "' has an unknown kind");
     layout_hash_ = fnv1a(layout_hash_, &k, sizeof(k));
     layout_hash_ = fnv1a(layout_hash_, &ch.n, sizeof(ch.n));
+    const int d = static_cast<int>(ch.dtype);
+    if (d < 0 || d > 1) throw Error(who + ": channel '" + ch.name + "' has an unknown dtype");
+    layout_hash_ = fnv1a(layout_hash_, &d, sizeof(d));
   }
 
-  // Segment: header, post table (2 entries per channel), then 2 areas per channel.
+  // Segment: header, post table (2 entries per channel), the staging areas' headers and read
+  // flags, then kSlots staging areas of the largest post (none at world 1: nobody reads them).
   const int nc = num_channels();
-  size_t off = align_up(kTableOffset + sizeof(PostEntry) * 2 * nc, 64);
+  for (int c = 0; c < nc; ++c) slot_bytes_ = std::max(slot_bytes_, post_elems(c) * elem_bytes(c));
+  if (world == 1) slot_bytes_ = 0;
+  const size_t slots_offset = align_up(kTableOffset + sizeof(PostEntry) * 2 * nc, 64);
+  const size_t unread_offset = align_up(slots_offset + sizeof(SlotHeader) * kSlots, 64);
+  size_t off = align_up(unread_offset + sizeof(uint32_t) * kSlots * world, 64);
   std::vector<uint64_t> offsets;
-  for (int c = 0; c < nc; ++c)
-    for (int par = 0; par < 2; ++par) {
-      offsets.push_back(off);
-      off = align_up(off + static_cast<size_t>(in_elems(c)) * 4, 64);
-    }
+  for (int k = 0; k < kSlots; ++k) {
+    offsets.push_back(off);
+    off = align_up(off + static_cast<size_t>(slot_bytes_), 64);
+  }
   const size_t bytes = align_up(off, 4096);
-  int fd = shm_open(shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw Error(who + ": shm_open(" + shm_name + "): " + strerror(errno));
-  linked_ = true;
   segment_ = std::make_unique<Segment>();
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const std::string msg = strerror(errno);
-    ::close(fd);
-    unlink_segment();
-    throw Error(who + ": cannot size " + shm_name + " to " + std::to_string(bytes) + " bytes: " + msg);
-  }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) {
-    unlink_segment();
-    throw Error(who + ": mmap of " + shm_name + " failed: " + strerror(errno));
-  }
-  segment_->hdr = static_cast<SegmentHeader*>(p);
+  shm::create(shm_name, bytes, who, &segment_->map);  // on failure it leaves no segment behind
+  linked_ = true;
+  segment_->hdr = static_cast<SegmentHeader*>(segment_->map.base);
   segment_->bytes = bytes;
   SegmentHeader* h = segment_->hdr;
   h->rank = rank;
@@ -96,12 +96,24 @@ Group::Group(int rank, int world, const std::string& shm_name, const std::vector
   h->num_channels = nc;
   h->layout_hash = layout_hash_;
   h->bytes = bytes;
+  h->num_slots = kSlots;
+  h->slot_bytes = static_cast<uint64_t>(slot_bytes_);
+  h->slots_offset = slots_offset;
+  h->unread_offset = unread_offset;
   for (int c = 0; c < nc; ++c)
     for (int par = 0; par < 2; ++par) {
       PostEntry* e = h->entry(c, par);
-      e->offset = offsets[2 * c + par];
       e->seq.store(-1, std::memory_order_relaxed);
+      e->slot.store(-1, std::memory_order_relaxed);
     }
+  for (int k = 0; k < kSlots; ++k) {
+    SlotHeader* sl = h->slot(k);
+    sl->left.store(0, std::memory_order_relaxed);
+    sl->channel = -1;
+    sl->seq = -1;
+    sl->offset = offsets[k];
+    for (int r = 0; r < world; ++r) h->unread(k, r)->store(0, std::memory_order_relaxed);
+  }
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kMagic;
 
@@ -149,6 +161,21 @@ int64_t Group::out_elems(int c) const {
   return ch.kind == Kind::kGather ? ch.n * world_ : ch.n;
 }
 
+int Group::elem_bytes(int c) const { return channel(c).dtype == DType::kBF16 ? 2 : 4; }
+
+int64_t Group::post_elems(int c) const {
+  const ChannelSpec& ch = channel(c);
+  return ch.kind == Kind::kScatter ? ch.n * (world_ - 1) : ch.n;
+}
+
+int64_t Group::segment_bytes() const { return static_cast<int64_t>(segment_->bytes); }
+
+int64_t Group::tcp_buffer_bytes() const {
+  int64_t total = 0;
+  for (const auto& p : peers_) total += static_cast<int64_t>(p->recv.size());
+  return total;
+}
+
 void Group::check_open(const char* op) const {
   if (closed_) throw Error(std::string(op) + ": the lockstep group of rank " + std::to_string(rank_) + " is closed");
 }
@@ -165,30 +192,27 @@ void Group::connect(const std::vector<PeerConfig>& configs) {
     const std::string of = "rank " + std::to_string(rank_) + ": the lockstep segment " + cfg.shm_name + " of rank " +
                            std::to_string(cfg.rank);
     if (cfg.link == Link::kShm) {
-      int fd = shm_open(cfg.shm_name.c_str(), O_RDWR, 0);
-      if (fd < 0) throw PeerError(of + " cannot be opened: " + strerror(errno) + " (another host? use tcp)");
-      struct stat st;
-      fstat(fd, &st);
-      void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      ::close(fd);
-      if (p == MAP_FAILED) throw PeerError(of + ": mmap failed: " + strerror(errno));
       peer.seg = std::make_unique<Segment>();
-      peer.seg->hdr = static_cast<SegmentHeader*>(p);
-      peer.seg->bytes = static_cast<size_t>(st.st_size);
+      shm::map_existing(cfg.shm_name, of, &peer.seg->map);
+      peer.seg->hdr = static_cast<SegmentHeader*>(peer.seg->map.base);
+      peer.seg->bytes = peer.seg->map.bytes;
       SegmentHeader* h = peer.seg->hdr;
       if (h->magic != kMagic || h->rank != cfg.rank || h->world != world_) throw PeerError(of + " is not one");
       if (h->layout_hash != layout_hash_)
         throw Error(of + " has other channels than rank " + std::to_string(rank_) + "'s (channel layout differs)");
+      if (h->num_slots != kSlots || h->slot_bytes != static_cast<uint64_t>(slot_bytes_))
+        throw Error(of + " has other staging areas than rank " + std::to_string(rank_) + "'s");
       peer.pid = h->pid;
       peer.link = Link::kShm;
+      ++shm_readers_;
     } else if (cfg.link == Link::kTcp) {
       peer.recv_offset.clear();
       size_t total = 0;
       for (int c = 0; c < num_channels(); ++c) {
         peer.recv_offset.push_back(static_cast<int64_t>(total));
-        total += 2 * static_cast<size_t>(channels_[c].n);
+        total += 2 * static_cast<size_t>(channels_[c].n * elem_bytes(c));
       }
-      peer.recv.assign(total, 0.0f);
+      peer.recv.assign(total, 0);
       peer.recv_seq = std::make_unique<std::atomic<int64_t>[]>(2 * num_channels());
       for (int i = 0; i < 2 * num_channels(); ++i) peer.recv_seq[i].store(-1);
       peer.link = Link::kTcp;
@@ -203,7 +227,7 @@ void Group::connect(const std::vector<PeerConfig>& configs) {
 
 void Group::unlink_segment() {
   if (linked_) {
-    shm_unlink(shm_name_.c_str());
+    shm::unlink(shm_name_);
     linked_ = false;
   }
 }
@@ -216,42 +240,81 @@ std::string Group::describe(const Call& call) const {
 
 void Group::ring_doorbell() { signal_event(&segment_->hdr->doorbell); }
 
-void Group::post(Call& call) {
-  const ChannelSpec& ch = channels_[call.c];
-  const int64_t count = in_elems(call.c);
-  bool shm_peers = false, tcp_peers = false;
-  for (auto& p : peers_) {
-    shm_peers |= p->link == Link::kShm;
-    tcp_peers |= p->link == Link::kTcp;
+int Group::claim_slot() {
+  std::lock_guard<std::mutex> lock(post_mu_);
+  SegmentHeader* h = segment_->hdr;
+  for (int k = 0; k < kSlots; ++k) {
+    SlotHeader* sl = h->slot(k);
+    // acquire: the readers' copies out of the area happened before their release of it
+    if (sl->left.load(std::memory_order_acquire) != 0) continue;
+    sl->left.store(shm_readers_, std::memory_order_relaxed);
+    return k;
   }
-  if (shm_peers) {
+  return -1;
+}
+
+void Group::release(int r, int slot) {
+  SegmentHeader* h = peers_[r]->seg->hdr;
+  h->unread(slot, rank_)->store(0, std::memory_order_relaxed);
+  if (h->slot(slot)->left.fetch_sub(1, std::memory_order_acq_rel) == 1) signal_event(&h->doorbell);
+}
+
+bool Group::post(Call& call) {
+  if (call.posted) return true;
+  const ChannelSpec& ch = channels_[call.c];
+  if (shm_readers_ > 0) {
+    const int k = claim_slot();
+    if (k < 0) return false;
     SegmentHeader* h = segment_->hdr;
+    SlotHeader* sl = h->slot(k);
+    char* dst = h->data(k);
+    const int64_t slice = ch.n * call.eb;
+    if (ch.kind == Kind::kScatter) {
+      // Only the peers' slices travel: slice q at position q (q < me) or q - 1 (q > me).
+      for (int q = 0, at = 0; q < world_; ++q)
+        if (q != rank_) std::memcpy(dst + (at++) * slice, call.in + q * slice, static_cast<size_t>(slice));
+    } else {
+      std::memcpy(dst, call.in, static_cast<size_t>(slice));
+    }
+    sl->channel = call.c;
+    sl->seq = call.seq;
+    for (auto& p : peers_)
+      if (p->link == Link::kShm) h->unread(k, p->rank)->store(1, std::memory_order_relaxed);
     PostEntry* e = h->entry(call.c, call.seq);
-    std::memcpy(h->data(e), call.in, static_cast<size_t>(count) * 4);
+    e->slot.store(k, std::memory_order_relaxed);
     e->seq.store(call.seq, std::memory_order_release);
     for (auto& p : peers_)
       if (p->link == Link::kShm) signal_event(&p->seg->hdr->doorbell);
   }
-  if (tcp_peers) {
-    for (auto& p : peers_) {
-      if (p->link != Link::kTcp) continue;
-      // A reduce-scatter sends each owner only its slice.
-      const float* data = ch.kind == Kind::kScatter ? call.in + p->rank * ch.n : call.in;
-      tcp_->send(*p, call.c, call.seq, data, ch.n);
-    }
+  call.posted = true;  // before the sends: a failed send fails the call, it is never retried
+  for (auto& p : peers_) {
+    if (p->link != Link::kTcp) continue;
+    // A reduce-scatter sends each owner only its slice.
+    const char* data = ch.kind == Kind::kScatter ? call.in + p->rank * ch.n * call.eb : call.in;
+    tcp_->send(*p, call.c, call.seq, data, ch.n);
   }
+  return true;
 }
 
-const float* Group::arrived(Call& call, int r) {
+const char* Group::arrived(Call& call, int r, int* slot) {
   const ChannelSpec& ch = channels_[call.c];
-  const int64_t slice = ch.kind == Kind::kScatter ? static_cast<int64_t>(rank_) * ch.n : 0;
   Peer& p = *peers_[r];
-  if (r == rank_) return call.in + slice;
+  *slot = -1;
+  if (r == rank_) return call.in + (ch.kind == Kind::kScatter ? static_cast<int64_t>(rank_) * ch.n * call.eb : 0);
   if (p.link == Link::kShm) {
     SegmentHeader* h = p.seg->hdr;
     PostEntry* e = h->entry(call.c, call.seq);
     const int64_t seen = e->seq.load(std::memory_order_acquire);
-    if (seen == call.seq) return h->data(e) + slice;
+    if (seen == call.seq) {
+      const int k = e->slot.load(std::memory_order_relaxed);
+      if (k < 0 || k >= h->num_slots)
+        throw PeerError(describe(call) + ": rank " + std::to_string(r) + " posted it into staging area " +
+                        std::to_string(k) + " (it has " + std::to_string(h->num_slots) + ")");
+      *slot = k;
+      // A reduce-scatter's area holds the writer's peers' slices: mine at rank_ or rank_ - 1.
+      const int64_t at = ch.kind == Kind::kScatter ? (rank_ < r ? rank_ : rank_ - 1) : 0;
+      return h->data(k) + at * ch.n * call.eb;
+    }
     if (seen > call.seq)
       throw PeerError(describe(call) + ": rank " + std::to_string(r) + " already posted call " + std::to_string(seen) +
                       " of this channel (out of step: ranks must make the same calls on every channel)");
@@ -259,7 +322,7 @@ const float* Group::arrived(Call& call, int r) {
   }
   const int64_t par = call.seq & 1;
   if (p.recv_seq[2 * call.c + par].load(std::memory_order_acquire) == call.seq)
-    return p.recv.data() + p.recv_offset[call.c] + par * ch.n;
+    return p.recv.data() + p.recv_offset[call.c] + par * ch.n * call.eb;
   if (p.failed.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(p.fail_mu);
     throw PeerError(describe(call) + ": waiting for rank " + std::to_string(r) + ": " + p.failure);
@@ -269,43 +332,51 @@ const float* Group::arrived(Call& call, int r) {
 
 bool Group::advance(Call& call) {
   const ChannelSpec& ch = channels_[call.c];
-  const size_t bytes = static_cast<size_t>(ch.n) * 4;
-  // A shm peer's area must still hold this call after the copy (it cannot be reposted before every
-  // rank finished reading it, unless a rank is out of step).
-  auto still_there = [&](int r) {
-    if (r == rank_ || peers_[r]->link != Link::kShm) return;
-    const int64_t seen = peers_[r]->seg->hdr->entry(call.c, call.seq)->seq.load(std::memory_order_acquire);
-    if (seen != call.seq)
+  const size_t bytes = static_cast<size_t>(ch.n * call.eb);
+  // A shm peer's post must still be this call after the copy (its entry cannot be reposted before
+  // every rank finished reading it, unless a rank is out of step); then its area is released.
+  auto done_with = [&](int r, int slot) {
+    if (slot < 0) return;
+    SegmentHeader* h = peers_[r]->seg->hdr;
+    const int64_t seen = h->entry(call.c, call.seq)->seq.load(std::memory_order_acquire);
+    if (seen != call.seq || h->slot(slot)->seq != call.seq || h->slot(slot)->channel != call.c)
       throw PeerError(describe(call) + ": rank " + std::to_string(r) + " reposted its area while it was read (call " +
                       std::to_string(seen) + "; out of step)");
+    release(r, slot);
   };
+  int slot = -1;
   if (ch.kind == Kind::kGather) {
     bool all = true;
     for (int r = 0; r < world_; ++r) {
       if (call.got[r]) continue;
-      const float* src = arrived(call, r);
+      const char* src = arrived(call, r, &slot);
       if (!src) {
         all = false;
         continue;
       }
-      std::memcpy(call.out + r * ch.n, src, bytes);
-      still_there(r);
+      std::memcpy(call.out + r * bytes, src, bytes);
       call.got[r] = 1;
+      done_with(r, slot);
     }
     return all;
   }
   // Sums in rank order: the same bits on every rank, whatever the arrival order.
   while (call.next < world_) {
-    const float* src = arrived(call, call.next);
+    const char* src = arrived(call, call.next, &slot);
     if (!src) return false;
     if (call.next == 0) {
       std::memcpy(call.out, src, bytes);
+    } else if (ch.dtype == DType::kBF16) {
+      auto* out = reinterpret_cast<uint16_t*>(call.out);
+      const auto* in = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < ch.n; ++i) out[i] = f32_to_bf16(bf16_to_f32(out[i]) + bf16_to_f32(in[i]));
     } else {
-      float* out = call.out;
-      for (int64_t i = 0; i < ch.n; ++i) out[i] += src[i];
+      auto* out = reinterpret_cast<float*>(call.out);
+      const auto* in = reinterpret_cast<const float*>(src);
+      for (int64_t i = 0; i < ch.n; ++i) out[i] += in[i];
     }
-    still_there(call.next);
     ++call.next;
+    done_with(call.next - 1, slot);
   }
   return true;
 }
@@ -319,11 +390,11 @@ void Group::finish(Call& call, const std::string& error) {
   call.done(error);
 }
 
-void Group::start(int c, const float* in, float* out, std::function<void(const std::string&)> done) {
+void Group::start(int c, const void* in, void* out, std::function<void(const std::string&)> done) {
   auto call = std::make_shared<Call>();
   call->c = c;
-  call->in = in;
-  call->out = out;
+  call->in = static_cast<const char*>(in);
+  call->out = static_cast<char*>(out);
   call->done = std::move(done);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -340,14 +411,15 @@ void Group::start(int c, const float* in, float* out, std::function<void(const s
       return;
     }
     call->seq = next_seq_[c]++;
+    call->eb = channels_[c].dtype == DType::kBF16 ? 2 : 4;
     in_flight_[c] = 1;
   }
   call->got.assign(world_, 0);
   call->started = now_seconds();
   call->deadline = call->started + timeout_s_;
   try {
-    post(*call);
-    if (advance(*call)) return finish(*call, "");
+    const bool posted = post(*call);
+    if (advance(*call) && posted) return finish(*call, "");
   } catch (const std::exception& e) {
     return finish(*call, e.what());
   }
@@ -358,7 +430,7 @@ void Group::start(int c, const float* in, float* out, std::function<void(const s
   ring_doorbell();
 }
 
-void Group::run(int c, const float* in, float* out) {
+void Group::run(int c, const void* in, void* out) {
   std::promise<std::string> result;
   std::future<std::string> got = result.get_future();
   start(c, in, out, [&result](const std::string& err) { result.set_value(err); });
@@ -370,19 +442,37 @@ void Group::run(int c, const float* in, float* out) {
 
 std::string Group::waiting_on(Call& call, bool check_alive) {
   const ChannelSpec& ch = channels_[call.c];
+  auto check = [&](int r, const std::string& what) {
+    Peer& p = *peers_[r];
+    if (!check_alive || p.link != Link::kShm) return;
+    if (p.seg->hdr->closing.load(std::memory_order_acquire))
+      throw PeerError(describe(call) + ": waiting for " + what + ", which closed its lockstep group");
+    if (!shm::pid_alive(p.pid))
+      throw PeerError(describe(call) + ": waiting for " + what + " (pid " + std::to_string(p.pid) + "), which died");
+  };
+  if (!call.posted) {
+    // My staging areas are all unread: name the first peer that has not read one.
+    SegmentHeader* h = segment_->hdr;
+    for (int k = 0; k < kSlots; ++k)
+      for (int r = 0; r < world_; ++r)
+        if (r != rank_ && h->unread(k, r)->load(std::memory_order_relaxed)) {
+          const SlotHeader* sl = h->slot(k);
+          const std::string what = "rank " + std::to_string(r);
+          check(r, what);
+          return "waiting for a free staging area to post it: " + what + " has not read call " +
+                 std::to_string(sl->seq) + " on channel '" +
+                 (sl->channel >= 0 && sl->channel < num_channels() ? channels_[sl->channel].name : "?") +
+                 "' (staging area " + std::to_string(k) + ")";
+        }
+    return "waiting for a free staging area to post it";
+  }
   for (int r = ch.kind == Kind::kGather ? 0 : call.next; r < world_; ++r) {
     if (ch.kind == Kind::kGather && call.got[r]) continue;
-    Peer& p = *peers_[r];
-    std::string what = "rank " + std::to_string(r);
-    if (check_alive && p.link == Link::kShm) {
-      if (p.seg->hdr->closing.load(std::memory_order_acquire))
-        throw PeerError(describe(call) + ": waiting for " + what + ", which closed its lockstep group");
-      if (!odc::pid_alive(p.pid))
-        throw PeerError(describe(call) + ": waiting for " + what + " (pid " + std::to_string(p.pid) + "), which died");
-    }
-    return what;
+    const std::string what = "rank " + std::to_string(r);
+    check(r, what);
+    return "waiting for " + what + " to post it";
   }
-  return "nobody";
+  return "waiting for nobody";
 }
 
 void Group::progress_loop() {
@@ -402,13 +492,14 @@ void Group::progress_loop() {
     std::vector<std::pair<std::shared_ptr<Call>, std::string>> finished;
     for (auto& call : calls) {
       try {
-        if (advance(*call)) {
+        const bool posted = post(*call);
+        if (advance(*call) && posted) {
           finished.emplace_back(call, "");
         } else if (check) {
           const std::string who = waiting_on(*call, true);
           if (now > call->deadline)
             finished.emplace_back(call, describe(*call) + " timed out after " + std::to_string(timeout_s_) +
-                                            " s waiting for " + who + " to post it");
+                                            " s " + who);
         }
       } catch (const std::exception& e) {
         finished.emplace_back(call, e.what());

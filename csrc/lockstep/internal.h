@@ -12,17 +12,35 @@
 #include <vector>
 
 #include "lockstep/group.h"
+#include "transport/shm.h"
 
 namespace jaxodc::lockstep {
 
-constexpr uint64_t kMagic = 0x3130504b53434f4cULL;  // "LOCKSTP1": not the ODC magic, so ODC's reclaim skips it
+constexpr uint64_t kMagic = 0x3230504b53434f4cULL;  // "LOCKSTP2": not the ODC magic, so ODC's reclaim skips it
 
 constexpr size_t kTableOffset = 256;
 
-// Where call `seq` of a channel lies in the segment: area seq % 2.
+// Staging areas per rank, shared by every channel (see group.h, "Buffers"): two, so that a rank
+// can post its next call while its peers still read the previous one, and so that a host call's
+// post (allgather_bytes' channel, run while a jitted step may still be in flight) that a peer
+// reads only once its own host thread gets there never holds up the step's calls.
+constexpr int kSlots = 2;
+
+// Where call `seq` of a channel lies in the segment: entry seq % 2 of the channel names the
+// staging area that holds it.
 struct PostEntry {
-  std::atomic<int64_t> seq;  // -1 until the first post
-  uint64_t offset;           // of the area's data from the segment base
+  std::atomic<int64_t> seq;   // -1 until the first post
+  std::atomic<int32_t> slot;  // the staging area holding call `seq`
+  int32_t pad;
+};
+
+// A staging area: which call it holds and how many shm peers have yet to read it (0: free).
+struct SlotHeader {
+  std::atomic<int32_t> left;
+  int32_t channel;
+  int64_t seq;
+  uint64_t offset;  // of the area's data from the segment base
+  uint64_t pad;
 };
 
 struct SegmentHeader {
@@ -30,22 +48,32 @@ struct SegmentHeader {
   int32_t rank, world, pid, num_channels;
   uint64_t layout_hash;
   uint64_t bytes;
-  alignas(64) std::atomic<uint32_t> doorbell;  // bumped by every post a peer makes, by tcp arrivals
+  int32_t num_slots, pad;
+  uint64_t slot_bytes;    // capacity of each staging area
+  uint64_t slots_offset;  // SlotHeader[num_slots]
+  uint64_t unread_offset; // uint32 [num_slots][world]: 1 while rank r has not read that area's post
+  alignas(64) std::atomic<uint32_t> doorbell;  // bumped by every post a peer makes, by tcp arrivals, by reads
   alignas(64) std::atomic<uint32_t> closing;   // this rank closed its group
 
   PostEntry* entry(int channel, int64_t seq) {
     auto* table = reinterpret_cast<PostEntry*>(reinterpret_cast<char*>(this) + kTableOffset);
     return table + 2 * channel + (seq & 1);
   }
-  float* data(const PostEntry* e) { return reinterpret_cast<float*>(reinterpret_cast<char*>(this) + e->offset); }
+  SlotHeader* slot(int k) {
+    return reinterpret_cast<SlotHeader*>(reinterpret_cast<char*>(this) + slots_offset) + k;
+  }
+  std::atomic<uint32_t>* unread(int k, int reader) {
+    return reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<char*>(this) + unread_offset) + k * world + reader;
+  }
+  char* data(int k) { return reinterpret_cast<char*>(this) + slot(k)->offset; }
 };
 static_assert(sizeof(SegmentHeader) <= kTableOffset, "the post table follows the header");
 
 // A segment mapped into this process (mine or a peer's), unmapped on destruction.
 struct Segment {
+  shm::Mapping map;
   SegmentHeader* hdr = nullptr;
   size_t bytes = 0;
-  ~Segment();
 };
 
 struct Peer {
@@ -56,8 +84,8 @@ struct Peer {
   // kTcp: my connection to its receiver, and its posts to me (per channel and parity).
   int send_fd = -1;
   std::mutex send_mu;
-  std::vector<float> recv;
-  std::vector<int64_t> recv_offset;                   // per channel: start of its 2 areas in recv
+  std::vector<char> recv;
+  std::vector<int64_t> recv_offset;                   // per channel: start (bytes) of its 2 areas in recv
   std::unique_ptr<std::atomic<int64_t>[]> recv_seq;  // per channel and parity, -1 until the first
   std::mutex fail_mu;
   std::string failure;  // why its connection to me died ("" while alive)
@@ -67,11 +95,13 @@ struct Peer {
 struct Call {
   int c;
   int64_t seq;
-  const float* in;
-  float* out;
+  const char* in;
+  char* out;
+  int64_t eb;  // element bytes
   std::function<void(const std::string&)> done;
   std::vector<char> got;  // gather: per rank, copied
   int next = 0;           // sums: the next rank to add (rank order)
+  bool posted = false;    // my input is in a staging area (shm peers) and sent (tcp peers)
   double started, deadline;
 };
 
@@ -83,8 +113,8 @@ class TcpLinks {
   ~TcpLinks() { stop(); }
   int port() const { return port_; }
   void connect(Peer& peer, const std::string& host, int port);
-  // Sends my post of call `seq` of channel `c` (`count` floats from `data`) to `peer`.
-  void send(Peer& peer, int c, int64_t seq, const float* data, int64_t count);
+  // Sends my post of call `seq` of channel `c` (`count` elements from `data`) to `peer`.
+  void send(Peer& peer, int c, int64_t seq, const char* data, int64_t count);
   void stop();
 
  private:

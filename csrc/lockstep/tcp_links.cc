@@ -57,13 +57,13 @@ void TcpLinks::connect(Peer& peer, const std::string& host, int port) {
                 " refused the connection: its lockstep channels differ from this rank's");
 }
 
-void TcpLinks::send(Peer& peer, int c, int64_t seq, const float* data, int64_t count) {
+void TcpLinks::send(Peer& peer, int c, int64_t seq, const char* data, int64_t count) {
   const std::string name = "rank " + std::to_string(peer.rank) + " (lockstep post on channel '" +
                            group_.channels_[c].name + "', call " + std::to_string(seq) + ")";
   const PostHeader h{c, 0, seq, count};
   std::lock_guard<std::mutex> lock(peer.send_mu);
   tcp::send_within(peer.send_fd, &h, sizeof(h), group_.timeout_s_, name);
-  tcp::send_within(peer.send_fd, data, static_cast<size_t>(count) * 4, group_.timeout_s_, name);
+  tcp::send_within(peer.send_fd, data, static_cast<size_t>(count * group_.elem_bytes(c)), group_.timeout_s_, name);
 }
 
 void TcpLinks::receive(int fd) {
@@ -95,8 +95,9 @@ void TcpLinks::receive(int fd) {
         throw PeerError("it posted call " + std::to_string(h.seq) + " of channel '" +
                         group_.channels_[h.channel].name + "' before this rank finished call " +
                         std::to_string(h.seq - 2) + " (out of step)");
-      float* dst = peer->recv.data() + peer->recv_offset[h.channel] + (h.seq & 1) * h.count;
-      tcp::recv_within(fd, dst, static_cast<size_t>(h.count) * 4, timeout, name);
+      const int64_t bytes = h.count * group_.elem_bytes(h.channel);
+      char* dst = peer->recv.data() + peer->recv_offset[h.channel] + (h.seq & 1) * bytes;
+      tcp::recv_within(fd, dst, static_cast<size_t>(bytes), timeout, name);
       slot.store(h.seq, std::memory_order_release);
       group_.ring_doorbell();
     }

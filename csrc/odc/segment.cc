@@ -29,18 +29,6 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
 
 }  // namespace
 
-bool pid_alive(int pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string content;
-  if (!std::getline(stat, content)) return false;
-  size_t paren = content.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= content.size()) return true;
-  char state = content[paren + 2];
-  return state != 'Z' && state != 'X';
-}
-
 Layout::Layout(int rank, int world, const std::vector<int64_t>& unit_numels, int64_t slot_elems_arg)
     : world(world), numels(unit_numels) {
   const std::string who = "rank " + std::to_string(rank);

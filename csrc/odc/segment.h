@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/sync.h"
+#include "transport/shm.h"
 
 namespace jaxodc::odc {
 
@@ -21,8 +22,8 @@ constexpr uint32_t kSlotFree = 0, kSlotFull = 1;
 constexpr int32_t kSlotHost = 0, kSlotDevice = 1, kSlotNvshmem = 2, kSlotSketch = 3;
 constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t); checked in cuda_ipc.cu
 
-// A process on this host is alive unless it is gone or a zombie (dead, not yet reaped).
-bool pid_alive(int pid);
+// A process on this host is alive unless it is gone or a zombie (csrc/transport/shm.h).
+using shm::pid_alive;
 
 // The unit layout every rank must share (compared through its hash at connect): unit sizes, the
 // shard of each (ceil(numel / world) elements, the last owners' pieces padded), and the receive

@@ -26,6 +26,7 @@ import numpy as np
 from jaxodc._native import C as _C
 
 KINDS = {"gather": 0, "scatter": 1, "reduce": 2}
+DTYPES = {"float32": 0, "bfloat16": 1}
 LINKS = {"shm": 1, "tcp": 2}
 _names = itertools.count()
 
@@ -34,11 +35,14 @@ class Channel(NamedTuple):
     """One stream of collective calls. kind "gather": in [n] -> out [world * n] (rank order);
     "scatter": in [world * n] -> out [n], the sum over ranks of their slice `rank` (reduce-scatter);
     "reduce": in [n] -> out [n], the sum over ranks (all-reduce; the same bits on every rank). Sums
-    add the ranks' contributions in rank order. float32 only."""
+    add the ranks' contributions in rank order. `dtype`: "float32" or "bfloat16" (mixed precision's
+    units: half the bytes); bfloat16 sums add in float32 and round to bfloat16 after each rank's
+    addition."""
 
     kind: str
     n: int
     name: str
+    dtype: str = "float32"
 
 
 class LockstepGroup:
@@ -65,13 +69,16 @@ class LockstepGroup:
         for c in self.channels:
             if c.kind not in KINDS:
                 raise ValueError(f"rank {rank}: channel {c.name!r} has kind {c.kind!r}; use {sorted(KINDS)}")
+            if c.dtype not in DTYPES:
+                raise ValueError(f"rank {rank}: channel {c.name!r} has dtype {c.dtype!r}; use {sorted(DTYPES)}")
         self.rank, self.world = rank, world
         from jaxodc.odc.runtime import host_identity
 
         job = job_id or os.environ.get("JAXODC_JOB_ID") or f"p{os.getpid()}{secrets.token_hex(3)}"
         shm_name = f"/jaxodc_{job}_lockstep{rank}_{next(_names)}"
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
-        self._native = _C.LockstepGroup(rank, world, shm_name, [(KINDS[c.kind], int(c.n), c.name) for c in self.channels],
+        self._native = _C.LockstepGroup(rank, world, shm_name, [(KINDS[c.kind], int(c.n), c.name, DTYPES[c.dtype])
+                                                                   for c in self.channels],
                                         float(timeout_s), listen_host)
         try:
             me = {"rank": rank, "host": host_identity(), "address": listen_host, "port": self._native.port,
@@ -106,6 +113,18 @@ class LockstepGroup:
         """Names this group in jitted lockstep ops."""
         return int(self._native.handle)
 
+    @property
+    def segment_bytes(self) -> int:
+        """This rank's shared-memory segment: a header, the channels' post table and two staging
+        areas shared by every channel, each of the largest single post (csrc/lockstep/group.h)."""
+        return int(self._native.segment_bytes)
+
+    @property
+    def native_bytes(self) -> int:
+        """All this rank's memory in the group outside XLA: its segment and its tcp peers' receive
+        buffers (double buffers of every channel's n elements per tcp peer)."""
+        return int(self._native.segment_bytes) + int(self._native.tcp_buffer_bytes)
+
     def in_size(self, channel: int) -> int:
         return int(self._native.in_elems(channel))
 
@@ -113,7 +132,14 @@ class LockstepGroup:
         return int(self._native.out_elems(channel))
 
     def run(self, channel: int, x) -> np.ndarray:
-        """The collective of `channel` on host data (blocking; every rank calls it)."""
+        """The collective of `channel` on host data (blocking; every rank calls it), in the
+        channel's dtype (ml_dtypes.bfloat16 for "bfloat16")."""
+        if self.channels[channel].dtype == "bfloat16":
+            import ml_dtypes
+            x = np.ascontiguousarray(x, dtype=ml_dtypes.bfloat16).reshape(-1)
+            out = np.empty(self.out_size(channel), ml_dtypes.bfloat16)
+            self._native.run(int(channel), x.view(np.uint16), out.view(np.uint16))
+            return out
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         out = np.empty(self.out_size(channel), np.float32)
         self._native.run(int(channel), x, out)

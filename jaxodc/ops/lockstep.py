@@ -21,22 +21,24 @@ def lockstep_collective(x: jax.Array, *, group, channel: int) -> jax.Array:
     """The collective of `group`'s channel `channel` on this rank's `x` (see `Channel`).
 
     Args:
-      x: float32, `group.in_size(channel)` elements (any shape; flattened).
+      x: the channel's dtype (float32 or bfloat16), `group.in_size(channel)` elements (any shape;
+        flattened).
       group: a connected `LockstepGroup`.
       channel: the channel's index in the group.
 
     Returns:
-      float32 [group.out_size(channel)]: the gathered ranks in rank order (gather), this rank's
+      [group.out_size(channel)] of the channel's dtype: the gathered ranks in rank order (gather), this rank's
       slice of the sum (scatter), or the sum (reduce).
     """
     handle = native_handle(group, "lockstep_collective", "LockstepGroup")
     x = jnp.ravel(x)
-    if x.dtype != jnp.float32:
-        raise TypeError(f"lockstep_collective: channel {channel}: x must be float32, got {x.dtype}")
+    dtype = jnp.dtype(group.channels[channel].dtype)
+    if x.dtype != dtype:
+        raise TypeError(f"lockstep_collective: channel {channel}: x must be {dtype} (the channel's dtype), got {x.dtype}")
     want = group.in_size(channel)
     if x.size != want:
         c = group.channels[channel]
         raise ValueError(f"lockstep_collective: channel {channel} ({c.kind} {c.name!r}) takes {want} elements, "
                          f"got {x.size}")
-    return jax.ffi.ffi_call("jaxodc_lockstep", jax.ShapeDtypeStruct((group.out_size(channel),), jnp.float32))(
+    return jax.ffi.ffi_call("jaxodc_lockstep", jax.ShapeDtypeStruct((group.out_size(channel),), dtype))(
         x, group=handle, channel=np.int64(channel))

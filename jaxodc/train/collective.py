@@ -30,6 +30,7 @@ from jaxodc.train.units import flat_from_pieces
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
 GATHER_SCOPE = "jaxodc_gather_u"  # + the unit's index: the name scope of a per_leaf unit's all-gathers
+# (gloo's or the lock-step transport's)
 _HOST_WORDS = 1024  # the lockstep channel of allgather_bytes: [length, payload...] in float32 words
 
 
@@ -163,32 +164,66 @@ def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | Non
     return gather
 
 
-def lockstep_gather(group, channels: dict[str, tuple[int, int, int]]) -> GatherFn:
-    """`collective_gather` over a `LockstepGroup`: unit name -> its channels (forward gather,
-    backward re-gather, reduce-scatter); all-gather forward, reduce-scatter (the sum over ranks, in
-    rank order) backward.
+def lockstep_gather(group, channels: dict[str, list[tuple[int, int, int]]]) -> GatherFn:
+    """`collective_gather` over a `LockstepGroup`: unit name -> its channels, one (forward gather,
+    backward re-gather, reduce-scatter) triple per leaf of a per_leaf unit (train.units), one for a
+    contiguous unit; all-gather forward, reduce-scatter (the sum over ranks, in rank order)
+    backward. A per_leaf unit travels one leaf at a time, as `collective_gather`'s does (neither the
+    flat unit nor its flat gradient is built). The unit travels and is returned in the channels'
+    dtype (bfloat16 under mixed precision, as `collective_gather`'s compute dtype); the shard's
+    gradient comes back in float32.
 
     The forward pass's gather (the custom_vjp's primal) and the backward pass's re-gather (its fwd
     rule, which core.remat_stage's backward runs) use separate channels: nothing orders them (the last
     unit's re-gather needs nothing from its forward), and calls on one channel must not overlap."""
     from jaxodc.ops.lockstep import lockstep_collective
 
-    def unit_gather(forward: int, regather: int, scatter: int):
+    def unit_gather(spec, chs):
+        dtype = jnp.dtype(group.channels[chs[0][0]].dtype)
+        cuts = spec.leaf_shards() if spec.per_leaf else ((0, spec.shard),)
+        sizes = [n for _, n in spec.leaf_pieces()] if spec.per_leaf else [spec.padded]
+
+        def gather_with(which, shard):
+            x, out = shard.astype(dtype), []
+            with jax.named_scope(f"{GATHER_SCOPE}{spec.index}"):  # as collective_gather's (bench models)
+                for (off, s), n, ch in zip(cuts, sizes, chs):
+                    if n == 0:  # an empty parameter: nothing travels
+                        out.append(jnp.zeros((0,), dtype))
+                        continue
+                    g = lockstep_collective(x[off:off + s], group=group, channel=ch[which])
+                    out.append(g if g.shape[0] == n else g[:n])
+            return tuple(out) if spec.per_leaf else out[0]
+
         @jax.custom_vjp
         def gather(shard):
-            return lockstep_collective(shard, group=group, channel=forward)
+            return gather_with(0, shard)
 
         def fwd(shard):
-            return lockstep_collective(shard, group=group, channel=regather), None
+            return gather_with(1, shard), None
 
-        def bwd(_, ct):
-            return (lockstep_collective(ct, group=group, channel=scatter),)
+        def bwd(_, cts):
+            parts = []
+            for ct, (_, s), n, ch in zip(cts if spec.per_leaf else (cts,), cuts, sizes, chs):
+                if n == 0:
+                    continue
+                ct = ct if ct.shape[0] == spec.world * s else jnp.pad(ct, (0, spec.world * s - n))
+                parts.append(lockstep_collective(ct.astype(dtype), group=group, channel=ch[2]).astype(jnp.float32))
+            tail = spec.shard - sum(s for _, s in cuts)
+            if tail:
+                parts.append(jnp.zeros((tail,), jnp.float32))
+            return (jnp.concatenate(parts) if len(parts) > 1 else parts[0] if parts else jnp.zeros((0,), jnp.float32),)
 
         gather.defvjp(fwd, bwd)
         return gather
 
-    per_unit = {name: unit_gather(*chs) for name, chs in channels.items()}
-    return lambda shard, spec, ctx: per_unit[spec.name](shard)
+    per_unit: dict = {}
+
+    def gather(shard, spec, ctx):
+        if spec.name not in per_unit:  # built per unit at trace time (the spec is static)
+            per_unit[spec.name] = unit_gather(spec, channels[spec.name])
+        return per_unit[spec.name](shard)
+
+    return gather
 
 
 def lockstep_sum(group, channel: int) -> Callable[[jax.Array], jax.Array]:
@@ -292,9 +327,8 @@ class CollectiveTrainer(ShardedTrainer):
 
         self.residuals = self._zero_residuals()
         if transport == "jaxodc":
-            gather, new_sum = self._lockstep(lockstep or {})
-            # the lockstep channels carry fp32; mixed precision computes in bf16 after the gather
-            gather = (lambda g: lambda shard, spec, ctx: g(shard, spec, ctx).astype(compute_dtype))(gather)
+            # the units' channels carry the compute dtype (bf16 under mixed precision), as gloo's do
+            gather, new_sum = self._lockstep(lockstep or {}, jnp.dtype(compute_dtype).name)
         else:
             gather = collective_gather(AXIS, exchanges, compute_dtype, policy.grad_dtype)
             new_sum = lambda _: (lambda x: jax.lax.psum(x, AXIS))  # noqa: E731
@@ -367,16 +401,25 @@ class CollectiveTrainer(ShardedTrainer):
         opt_state = self.unitwise.step(shards, opt_state, acc, jnp.int32(0), apply)
         return shards, opt_state
 
-    def _lockstep(self, kwargs: dict):
-        """Builds the lockstep group (two gather channels and a scatter channel per unit, the loss and optimizer
-        all-sums, allgather_bytes' channel); returns (the gather, sum name -> a fresh all-sum)."""
+    def _lockstep(self, kwargs: dict, dtype: str = "float32"):
+        """Builds the lockstep group (two gather channels and a scatter channel per unit, or per leaf of a
+        per_leaf unit, in `dtype`, the loss
+        and optimizer all-sums, allgather_bytes' channel, in float32); returns (the gather, sum name -> a fresh
+        all-sum)."""
         from jaxodc.comm.lockstep import Channel, LockstepGroup
         channels, units = [], {}
         for n in self.layout.names:
-            units[n] = (len(channels), len(channels) + 1, len(channels) + 2)
-            channels += [Channel("gather", self.layout[n].shard, f"{n} all_gather"),
-                         Channel("gather", self.layout[n].shard, f"{n} all_gather (backward)"),
-                         Channel("scatter", self.layout[n].shard, f"{n} reduce_scatter")]
+            spec = self.layout[n]
+            # a per_leaf unit travels one leaf at a time (lockstep_gather): three channels per leaf
+            cuts = ([(f"{n}/{p}", s) for p, (_, s) in zip(spec.paths, spec.leaf_shards())] if spec.per_leaf
+                    else [(n, spec.shard)])
+            units[n] = []
+            for name, s in cuts:
+                s = max(s, 1)  # an empty parameter's channels are never called
+                units[n].append((len(channels), len(channels) + 1, len(channels) + 2))
+                channels += [Channel("gather", s, f"{name} all_gather", dtype),
+                             Channel("gather", s, f"{name} all_gather (backward)", dtype),
+                             Channel("scatter", s, f"{name} reduce_scatter", dtype)]
         sums = {"loss": len(channels), "optimizer": len(channels) + 1}
         channels += [Channel("reduce", 1, "loss all-sum"), Channel("reduce", 1, "optimizer all-sums")]
         self._host_channel = len(channels)
