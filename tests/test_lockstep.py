@@ -321,11 +321,13 @@ def trainer_body(ctx, link):
 def test_trainer_jaxodc_equals_gloo(world, link):
     out = run_ranks(trainer_body, world, args=(link,), timeout_s=180)
     for r, ((g_shards, g_loss), (j_shards, j_loss), err, bad, (gb_shards, gb_loss), (jb_shards, jb_loss)) in enumerate(out):
-        # bf16: gathered and reduce-scattered in bfloat16 on both transports; at W = 2 the same bits
-        # (one rounded addition), above that within bf16 summation-order differences
+        # bf16: gathered and reduce-scattered in bfloat16 on both transports; at W = 2 the same loss
+        # bits (one rounded addition), above that within bf16 summation-order differences. The
+        # shards within fp32 rounding: over gloo the optimizer runs one unit at a time
+        # (train.unitwise), which XLA fuses differently from the lock-step path's whole-tree step.
         np.testing.assert_allclose(jb_loss, gb_loss, rtol=0 if world == 2 else 1e-4, err_msg=f"rank {r} (bf16)")
         for n, a in gb_shards.items():
-            np.testing.assert_allclose(jb_shards[n], a, rtol=0, atol=0 if world == 2 else 1e-3,
+            np.testing.assert_allclose(jb_shards[n], a, rtol=1e-5, atol=1e-7 if world == 2 else 1e-3,
                                        err_msg=f"rank {r} unit {n} (bf16)")
         np.testing.assert_allclose(j_loss, g_loss, rtol=1e-5, err_msg=f"rank {r}")
         for n, a in g_shards.items():
