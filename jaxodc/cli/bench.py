@@ -11,6 +11,7 @@ BENCHMARKS = {
     "allreduce": "jaxodc.bench.allreduce",
     "sketch": "jaxodc.bench.sketch",
     "diloco": "jaxodc.bench.diloco",
+    "compile": "jaxodc.bench.compile",
 }
 
 
