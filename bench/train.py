@@ -231,7 +231,11 @@ def train_worker(args) -> None:
     buckets = bucket_policy(args.max_tokens, args.min_bucket)
     rows = row_buckets(args.max_tokens, buckets)
 
-    coll = CollectiveTrainer(model, _optimizer(args.lr), params)
+    # Over gloo the baseline runs its fastest layout: one all-gather per unit ("contiguous"). The
+    # memory-lean default, one per parameter ("per_leaf"), pays gloo's per-call cost on every leaf
+    # (about half the samples/s at minibatch 1; bench/RESULTS.md). The lock-step transport's calls
+    # are cheap, so it keeps the default.
+    coll = CollectiveTrainer(model, _optimizer(args.lr), params, sharding="contiguous")
     coll_j = CollectiveTrainer(model, _optimizer(args.lr), params, transport="jaxodc")
     rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx)
     odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
