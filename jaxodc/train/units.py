@@ -19,7 +19,7 @@ them hold for both; only `flatten_unit` / `unflatten_unit` / `leaf_shards` know 
   parameter's cotangent on its own, never materialising the flat unit or its concatenated
   gradient -- on XLA:CPU, cutting leaves out of a gathered flat unit at non-zero offsets copies
   them, so the flat form costs about one more unit of temporaries per stage than ODC's one buffer
-  per parameter (bench/RESULTS.md, "Where each failing record's memory goes"). The two kinds
+  per parameter (bench/RESULTS.md, "Every example model"). The two kinds
   have different fingerprints, so checkpoints of one cannot be loaded into the other unnoticed.
 
 `UnitSpec` and `Layout` hold only static Python data (names, shapes, sizes), so they can be closed
