@@ -403,7 +403,8 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     import jaxodc
     from jaxodc.bench.train_memory import _nbytes, accounted, program_activations
     from jaxodc.optim.clipping import clip_by_global_norm
-    from jaxodc.train.program import compute_dtype_of, program_of
+    from jaxodc.train.precision import compute_dtype_of
+    from jaxodc.train.program import program_of
 
     W, counts = ctx.world, [args.microbatches] * ctx.world
     example = case.batch(0, 0, 0, case.size)

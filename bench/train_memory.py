@@ -206,7 +206,7 @@ def worker(args) -> int:
     params = model.init(jax.random.PRNGKey(args.seed))
     layout = make_layout(params, W, order=model.unit_names)
     shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    from jaxodc.train.program import compute_dtype_of
+    from jaxodc.train.precision import compute_dtype_of
     act = activation_bytes(model, shape, T, compute_dtype_of(args.precision))
     optimizer = _optimizer(args.lr)
     unsharded = unsharded_peak(model, shape, optimizer, T)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc.train.core import GatherFn, microbatch_grad
-from jaxodc.train.precision import cast_inputs, compute_dtype_of  # noqa: F401 -- compute_dtype_of: re-exported
+from jaxodc.train.precision import cast_inputs
 from jaxodc.train.units import Layout, make_layout, shard_params, unshard_params
 
 # (gather, compute dtype, cast=True) -> fn(shards, consts, batch, global_count, gather_arg) -> (loss,
