@@ -26,6 +26,7 @@ from typing import Mapping
 
 import msgpack
 
+from jaxodc.auth import secret_from_env
 from jaxodc.coord.protocol import parse_address
 from jaxodc.launch.rendezvous import RendezvousClient, RendezvousServer
 
@@ -52,6 +53,7 @@ class Settings:
     coordinator: str  # "" = no coordinator given (world of one): rank 0 picks a free port
     jax_coordinator: str  # "" = rank 0 picks a free port and publishes it via the rendezvous
     source: str  # "jaxodc", "slurm" or "single"
+    secret: bytes = b""  # the job secret (jaxodc.auth): every listener of the job checks it
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Context:
     jax_coordinator: str = ""
     timeout_s: float = 120.0
     jax_initialized: bool = False
+    secret: bytes = b""  # the job secret (jaxodc.auth): every listener of the job checks it
 
     def barrier(self, name: str, timeout_s: float | None = None) -> None:
         self.rendezvous.barrier(name, self.world, timeout_s)
@@ -216,6 +219,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
                      f"{host}:{port + 1}", "slurm")
     else:
         s = Settings(0, 1, 0, 1, new_job_id(), "", "", "single")
+    s.secret = secret_from_env(env)
     _check(s)
     return s
 
@@ -269,7 +273,7 @@ def init_from_env(timeout_s: float = 120.0) -> Context:
             server.close()
         raise
     ctx = Context(s.rank, s.world, s.local_rank, s.local_world, s.job_id, coordinator, client,
-                  server, s.jax_coordinator, timeout_s)
+                  server, s.jax_coordinator, timeout_s, secret=s.secret)
     try:
         me = {"world": s.world, "job": s.job_id, "local_world": s.local_world,
               "host": socket.gethostname(), "pid": os.getpid()}
