@@ -138,6 +138,18 @@ def test_pallas_kernel_bfloat16_and_padding():
     np.testing.assert_array_equal(o[0, 30:], np.asarray(vb, np.float32)[0, 30:])  # padding sees itself only
 
 
+def test_auto_lowers_to_the_triton_kernels_for_cuda():
+    """Lowered for an H200 from this CPU-only machine (Pallas lowers to Triton here; PTX is made on
+    the GPU): "auto" is the two Triton kernels there, no [T, T] score matrix, no CPU kernel."""
+    q, k, v, seg, do = _data(13, 2, 333, 2, 24, ["mixed", "padded"])
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = _fwd_bwd("auto").trace(q, k, v, seg, do).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "one forward and one backward Triton kernel"
+    assert "jaxodc_varlen_attention" not in text and "333x333" not in text
+
+
 def test_padding_attends_to_itself_only():
     q, k, v, seg, do = _data(5, 1, 40, 2, 16, ["padded"])
     seg[0, 30:] = 0
