@@ -14,6 +14,7 @@ OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the multi-process tests share the one GPU
+unset JAX_PLATFORMS  # the attention tests compare the GPU with the CPU backend of the same process
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
