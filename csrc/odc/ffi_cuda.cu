@@ -235,8 +235,14 @@ void gather_pieces_cuda(Runtime* rt, int unit, int64_t v, const Pieces& pieces, 
     check(cudaStreamSynchronize(stream), "gather_pieces");  // the staging buffer is reused by the next call
     return;
   }
-  for (void* p : pieces.ptrs) check_on_device(rt, p, "odc.gather_pieces", unit);
   const int64_t n = rt->numel(unit);
+  for (size_t i = 0; i < pieces.ptrs.size(); ++i) {  // the host route checks in Runtime::gather_pieces
+    if (pieces.offsets[i] < 0 || pieces.offsets[i] + pieces.counts[i] > n)
+      throw Error("odc.gather_pieces: rank " + std::to_string(rt->rank()) + ": piece [" +
+                  std::to_string(pieces.offsets[i]) + ", " + std::to_string(pieces.offsets[i] + pieces.counts[i]) +
+                  ") of unit " + std::to_string(unit) + " lies outside its " + std::to_string(n) + " elements");
+    check_on_device(rt, pieces.ptrs[i], "odc.gather_pieces", unit);
+  }
   float* full = nullptr;
   check(cudaMallocAsync(reinterpret_cast<void**>(&full), static_cast<size_t>(n) * 4, stream), "gather_pieces scratch");
   bool staged = false;
