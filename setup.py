@@ -6,6 +6,7 @@ module still imports on machines without a GPU. JAXODC_CUDA=0 disables, =1 requi
 With CUDA and NVSHMEM (the nvidia-nvshmem-cu13 wheel), csrc/odc/nvshmem/ becomes the separate plugin
 jaxodc/_nvshmem_plugin.so, which the runtime dlopen()s only for the nvshmem transport.
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -63,8 +64,9 @@ class BuildExt(build_ext):
                 subprocess.check_call(cmd)
                 return obj
 
-            for cu in module_sources("*.cu"):
-                objects.append(compile_cu(cu))
+            # nvcc runs one process per file: in parallel (-j), they dominate a CUDA build otherwise.
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.parallel or 1)) as pool:
+                objects += list(pool.map(compile_cu, module_sources("*.cu")))
             ext.extra_objects += objects + [cuda["cudart_static"]]
             ext.define_macros.append(("JAXODC_WITH_CUDA", "1"))
             ext.include_dirs.append(cuda["include"])

@@ -1,8 +1,10 @@
 """Attention over packed rows on one CPU core: the variable-length kernel against the dense masked
 reference (jaxodc.ops.segment_attention impl="kernel" / "dense"), forward + backward, for rows
 holding 1, 2, 8 and 32 equal samples. The kernel's cost should follow sum(s^2), the dense one's T^2.
+With --gpu, the same on the GPU with the Pallas flash kernel (impl="pallas") instead.
 
     python bench/attention.py --json bench/out/attention.json [--T 512,1024] [--samples 1,2,8,32] [--reps 15]
+    python bench/attention.py --gpu --T 4096,16384 --samples 1,8,64 --reps 10
 
 Variants are interleaved within each repetition; each record holds the median over repetitions.
 """
@@ -15,12 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxodc.bench.common import print_table, write_records  # noqa: E402
 from jaxodc.launch.launcher import pin_one_core  # noqa: E402
 
+GPU = "--gpu" in sys.argv
 # One core, set before jax is imported (XLA reads the flags and the affinity once).
-if "--no-pin" not in sys.argv:
-    pin_one_core()
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not GPU:
+    if "--no-pin" not in sys.argv:
+        pin_one_core()
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -28,7 +32,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-IMPLS = ("kernel", "dense")
+IMPLS = ("pallas", "dense") if GPU else ("kernel", "dense")  # the fast one first
 
 
 def _step(impl: str):
@@ -79,8 +83,9 @@ def run(Ts: list[int], samples: list[int], B: int, H: int, Dh: int, reps: int) -
                     "samples": n, "sample_len": T // n, "reps": reps, "median_ms": med[impl] * 1e3,
                     "min_ms": min(times[(n, impl)]) * 1e3,
                     "cpu_ms": statistics.median(cpu_times[(n, impl)]) * 1e3,
-                    "kernel_over_dense": med["kernel"] / med["dense"],
+                    "kernel_over_dense": med[IMPLS[0]] / med["dense"],
                     "isa": _C.attention_isas()[-1] if impl == "kernel" else None,
+                    "device": jax.devices()[0].device_kind,
                 })
     return records
 
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--Dh", type=int, default=64)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--no-pin", action="store_true", help="do not pin the process to one core")
+    p.add_argument("--gpu", action="store_true", help="the Pallas kernel against dense on the GPU")
     a = p.parse_args(argv)
     records = run([int(t) for t in a.T.split(",")], [int(s) for s in a.samples.split(",")], a.B, a.H, a.Dh, a.reps)
     write_records(a.json, records)

@@ -10,7 +10,7 @@ Attention is causal *within a packed sample only* (jaxodc.ops.segment_attention)
 to token j iff j <= i and both lie in the same sample (a padding token, segment 0, sees only
 itself). RoPE uses per-sample positions, so a packed sample computes exactly what it computes
 alone. `LMConfig.attention` picks the implementation ("auto": the variable-length kernel on CPU,
-whose cost follows the samples' lengths, not the row's)."""
+the Pallas flash kernel on CUDA, both of whose cost follows the samples' lengths, not the row's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ class LMConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     rope_base: float = 10000.0
-    attention: str = "auto"  # segment_attention impl: "auto", "dense" or "kernel"
+    attention: str = "auto"  # segment_attention impl: "auto", "dense", "kernel" or "pallas"
 
 
 def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:

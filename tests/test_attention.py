@@ -1,5 +1,6 @@
 """segment_attention: the variable-length CPU kernel (every instruction set this CPU runs) against
-the dense masked reference, and the dense reference against a float64 numpy loop."""
+the dense masked reference, the dense reference against a float64 numpy loop, and the GPU's Pallas
+flash kernel (in Pallas interpret mode here) against the CPU kernel."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 
 from jaxodc import _C
 from jaxodc.ops import segment_attention
+from jaxodc.ops import attention_pallas
 from jaxodc.ops.attention import ISAS, _segment_attention
 from jaxodc.balance.packing import pack
 from jaxodc.models.lm import LM, LMConfig
@@ -84,6 +86,68 @@ def test_kernel_matches_dense(Dh, T, H):
         for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
             tol = dict(rtol=1e-5, atol=1e-6) if name == "o" else dict(rtol=2e-5, atol=5e-6)
             np.testing.assert_allclose(np.asarray(g), w, **tol, err_msg=f"{name} isa={ISAS[isa - 1]}")
+
+
+def test_run_layout_matches_numpy():
+    rng = np.random.default_rng(11)
+    seg = _layout(rng, ["mixed", "padded", "full"], 45)
+    seg[0, 3:6] = seg[0, 0]  # an id reused after another run: a run of its own
+    r, start, end = (np.asarray(x) for x in attention_pallas.layout(seg, 64))
+    for b in range(seg.shape[0]):
+        row = np.pad(seg[b], (0, 64 - 45))
+        for t in range(64):
+            lo = t
+            while row[t] != 0 and lo > 0 and row[lo - 1] == row[t]:
+                lo -= 1
+            hi = t + 1
+            while row[t] != 0 and hi < 64 and row[hi] == row[t]:
+                hi += 1
+            assert (start[b, t], end[b, t]) == (lo, hi), (b, t)
+            assert (r[b, lo:hi] == r[b, t]).all() and (lo == 0 or r[b, lo - 1] < r[b, t])
+
+
+# Interpret mode is slow: small rows, but long enough for samples to cross several blocks (the
+# kernels skip the blocks a sample does not reach), and head sizes that need padding.
+@pytest.mark.parametrize("Dh,T,H,kinds", [(16, 150, 2, ["mixed", "full", "padded"]), (24, 70, 1, ["padded", "mixed"]),
+                                          (80, 40, 1, ["mixed"])])
+def test_pallas_kernel_in_interpret_mode_matches_cpu_kernel(Dh, T, H, kinds):
+    q, k, v, seg, do = _data(Dh + T, len(kinds), T, H, Dh, kinds)
+    if len(kinds) == 3:
+        seg[0, 20:120] = 99  # one sample across three forward and four backward blocks
+    want = [np.asarray(x) for x in _fwd_bwd("kernel")(q, k, v, seg, do)]
+    assert (want[0] != 0).all() and all(np.abs(g).max() > 0.1 for g in want[1:])
+    got = _fwd_bwd("pallas")(q, k, v, seg, do)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=5e-6, err_msg=name)
+    # The log-sum-exp it saves for the backward is the dense reference's.
+    from jaxodc.ops.attention import _dense
+    lse = jax.jit(lambda *a: attention_pallas.forward(*a, interpret=True)[1])(q, k, v, seg)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(_dense(q, k, v, seg)[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_kernel_bfloat16_and_padding():
+    q, k, v, seg, do = _data(12, 1, 40, 2, 16, ["padded"])
+    seg[0, 30:] = 0
+    qb, kb, vb, dob = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+    got, want = _fwd_bwd("pallas")(qb, kb, vb, seg, dob), _fwd_bwd("kernel")(qb, kb, vb, seg, dob)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-3,
+                                   err_msg=name)
+    o = np.asarray(got[0], np.float32)
+    np.testing.assert_array_equal(o[0, 30:], np.asarray(vb, np.float32)[0, 30:])  # padding sees itself only
+
+
+def test_auto_lowers_to_the_triton_kernels_for_cuda():
+    """Lowered for an H200 from this CPU-only machine (Pallas lowers to Triton here; PTX is made on
+    the GPU): "auto" is the two Triton kernels there, no [T, T] score matrix, no CPU kernel."""
+    q, k, v, seg, do = _data(13, 2, 333, 2, 24, ["mixed", "padded"])
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = _fwd_bwd("auto").trace(q, k, v, seg, do).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "one forward and one backward Triton kernel"
+    assert "jaxodc_varlen_attention" not in text and "333x333" not in text
 
 
 def test_padding_attends_to_itself_only():

@@ -4,20 +4,31 @@
 #include <cstdint>
 #include <cstring>
 
+// JAXODC_HD: compiled for host and device by nvcc, so the CUDA handlers' kernels round exactly as
+// the CPU handlers do (CPU tests check the same code). Defined as ring/reduce.h defines it.
+#if !defined(JAXODC_HD)
+#if defined(__CUDACC__)
+#define JAXODC_HD __host__ __device__ __forceinline__
+#else
+#define JAXODC_HD inline
+#endif
+#endif
+
 namespace jaxodc {
 
-inline uint16_t f32_to_bf16(float f) {
+// Round to nearest even; a NaN stays a (quiet) NaN.
+JAXODC_HD uint16_t f32_to_bf16(float f) {
   uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  memcpy(&bits, &f, 4);
   if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
 }
 
-inline float bf16_to_f32(uint16_t h) {
+JAXODC_HD float bf16_to_f32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
-  std::memcpy(&f, &bits, 4);
+  memcpy(&f, &bits, 4);
   return f;
 }
 

@@ -236,6 +236,8 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
   add_target(targets, "jaxodc_odc_gather_into", "CUDA", odc::OdcGatherIntoCuda);
   add_target(targets, "jaxodc_odc_scatter", "CUDA", odc::OdcScatterCuda);
+  add_target(targets, "jaxodc_odc_gather_pieces", "CUDA", odc::OdcGatherPiecesCuda);
+  add_target(targets, "jaxodc_odc_scatter_range", "CUDA", odc::OdcScatterRangeCuda);
 #endif
 }
 

@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/dtype.h"
 #include "ffi/token.h"
@@ -24,6 +25,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterRangeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherIntoCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherPiecesCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterRangeCuda);
 #endif
 
 // One signature per op for the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
@@ -48,6 +51,19 @@ auto bind_scatter(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
       .template Attr<int64_t>("runtime").template Attr<int64_t>("unit");
+}
+
+// gather_pieces(local shard, version) -> one output per piece; `offsets`: each piece's first element
+template <typename Binding>
+auto bind_gather_pieces(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::Buffer<ffi::S32>>().RemainingRets()
+      .template Attr<int64_t>("runtime").template Attr<int64_t>("unit")
+      .template Attr<ffi::Span<const int64_t>>("offsets");
+}
+// scatter_range: scatter's signature, plus the first element `offset` of the pushed range
+template <typename Binding>
+auto bind_scatter_range(Binding&& b) {
+  return bind_scatter(std::move(b)).template Attr<int64_t>("offset");
 }
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
@@ -114,6 +130,32 @@ inline ffi::Error check_scatter(int64_t runtime, int64_t unit, const ffi::AnyBuf
       err.failure())
     return err;
   return check_token(token, op);
+}
+
+// The pieces of a gather_pieces call: each output's first element, size and data; every output of
+// one dtype. Also resolves the runtime and the compute dtype (check_call).
+struct Pieces {
+  std::vector<int64_t> offsets, counts;
+  std::vector<void*> ptrs;
+};
+inline ffi::Error check_pieces(int64_t runtime, int64_t unit, const ffi::AnyBuffer& local_shard, ffi::RemainingRets& outs,
+                               ffi::Span<const int64_t> offsets, Pieces* pieces, Runtime** rt, ElemType* type) {
+  if (outs.size() != offsets.size() || outs.size() == 0)
+    return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": " + std::to_string(outs.size()) +
+                   " outputs for " + std::to_string(offsets.size()) + " offsets");
+  pieces->offsets.assign(offsets.begin(), offsets.end());
+  ffi::DataType dtype = ffi::DataType::F32;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return out.error();
+    if (i > 0 && (*out)->element_type() != dtype)
+      return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": outputs of different dtypes");
+    dtype = (*out)->element_type();
+    pieces->counts.push_back(static_cast<int64_t>((*out)->element_count()));
+    pieces->ptrs.push_back((*out)->untyped_data());
+  }
+  return check_call("odc.gather_pieces", runtime, unit, local_shard.element_type(), local_shard.element_count(), dtype,
+                    -1, rt, type);
 }
 
 }  // namespace jaxodc::odc

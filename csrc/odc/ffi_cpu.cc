@@ -28,29 +28,13 @@ ffi::Error GatherIntoCpuImpl(ffi::AnyBuffer /*aliased_out*/, ffi::AnyBuffer loca
 // copied out of a whole one.
 ffi::Error GatherPiecesCpuImpl(ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version, ffi::RemainingRets outs,
                                int64_t runtime, int64_t unit, ffi::Span<const int64_t> offsets) {
-  if (outs.size() != offsets.size() || outs.size() == 0)
-    return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": " + std::to_string(outs.size()) +
-                   " outputs for " + std::to_string(offsets.size()) + " offsets");
-  std::vector<int64_t> offs(offsets.begin(), offsets.end()), counts;
-  std::vector<void*> ptrs;
-  ffi::DataType dtype = ffi::DataType::F32;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    auto out = outs.get<ffi::AnyBuffer>(i);
-    if (out.has_error()) return out.error();
-    if (i > 0 && (*out)->element_type() != dtype)
-      return invalid("odc.gather_pieces: unit " + std::to_string(unit) + ": outputs of different dtypes");
-    dtype = (*out)->element_type();
-    counts.push_back(static_cast<int64_t>((*out)->element_count()));
-    ptrs.push_back((*out)->untyped_data());
-  }
+  Pieces pieces;
   Runtime* rt;
   ElemType type;
-  if (auto err = check_call("odc.gather_pieces", runtime, unit, local_shard.element_type(), local_shard.element_count(),
-                            dtype, -1, &rt, &type);
-      err.failure())
-    return err;
+  if (auto err = check_pieces(runtime, unit, local_shard, outs, offsets, &pieces, &rt, &type); err.failure()) return err;
   const int64_t v = static_cast<int64_t>(version.typed_data()[0]);
-  return run_guarded([&] { rt->gather_pieces(static_cast<int>(unit), v, offs, counts, ptrs, type); });
+  return run_guarded(
+      [&] { rt->gather_pieces(static_cast<int>(unit), v, pieces.offsets, pieces.counts, pieces.ptrs, type); });
 }
 
 // Pushes each owner's slice of `grad` into its accumulator.
@@ -88,16 +72,8 @@ ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl, bind_gather(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl, bind_gather_into(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCpu, GatherPiecesCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("runtime")
-                                  .Attr<int64_t>("unit")
-                                  .Attr<ffi::Span<const int64_t>>("offsets"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCpu, GatherPiecesCpuImpl, bind_gather_pieces(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterCpu, ScatterCpuImpl, bind_scatter(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCpu, ScatterRangeCpuImpl,
-                              bind_scatter(ffi::Ffi::Bind()).Attr<int64_t>("offset"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCpu, ScatterRangeCpuImpl, bind_scatter_range(ffi::Ffi::Bind()));
 
 }  // namespace jaxodc::odc

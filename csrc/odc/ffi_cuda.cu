@@ -8,13 +8,13 @@
 // cuda_ipc peers -- are served GPU to GPU by Runtime::gather_device / scatter_device (cuda_ipc.cu);
 // only the remaining owners (tcp, or shm peers without a device) are staged as above. The device
 // paths work in fp32: bf16 units are cast on this GPU before a push and after a gather.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "odc/device_cuda.h"
 #include "odc/ffi.h"
@@ -23,16 +23,17 @@ namespace jaxodc::odc {
 
 namespace {
 
-__global__ void cast_f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n) {
+// The element conversions are common/dtype.h's, the CPU handlers' own.
+__global__ void cast_f32_to_bf16(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+    out[i] = f32_to_bf16(in[i]);
 }
 
-__global__ void cast_bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n) {
+__global__ void cast_bf16_to_f32(const uint16_t* in, float* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
+    out[i] = bf16_to_f32(in[i]);
 }
 
 int cast_blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096)); }
@@ -108,7 +109,7 @@ void gather_with_device(Runtime* rt, int unit, int64_t v, void* out, ElemType ty
     rt->gather_device(unit, v, f32, stream);
     staged = gather_host_owners(rt, unit, v, f32, n, stream);
     if (scratch) {
-      cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<__nv_bfloat16*>(out), n);
+      cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<uint16_t*>(out), n);
       check(cudaGetLastError(), "bf16 cast kernel");
     }
   } catch (...) {
@@ -128,7 +129,7 @@ void scatter_with_device(Runtime* rt, int unit, int64_t v, const void* grad, Ele
   if (type != ElemType::kF32) {
     check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(n) * 4, stream),
                "scatter scratch");
-    cast_bf16_to_f32<<<cast_blocks(n), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(grad), scratch, n);
+    cast_bf16_to_f32<<<cast_blocks(n), 256, 0, stream>>>(static_cast<const uint16_t*>(grad), scratch, n);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
       cudaFreeAsync(scratch, stream);
@@ -173,7 +174,7 @@ ffi::Error GatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::
       float* scratch = nullptr;
       check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), n * 4, stream), "gather scratch");
       check(cudaMemcpyAsync(scratch, host, n * 4, cudaMemcpyHostToDevice, stream), "gather H2D");
-      cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<__nv_bfloat16*>(out->untyped_data()), n);
+      cast_f32_to_bf16<<<cast_blocks(n), 256, 0, stream>>>(scratch, static_cast<uint16_t*>(out->untyped_data()), n);
       check(cudaGetLastError(), "bf16 cast kernel");
       check(cudaFreeAsync(scratch, stream), "gather scratch free");
     }
@@ -210,8 +211,105 @@ ffi::Error ScatterCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi:
   });
 }
 
+// gather_pieces: each output gets its piece of the unit.
+//  - No device block: the host transports write the pieces, already in the outputs' dtype (the
+//    runtime's conversion), one after another into pinned staging; one H2D copy per piece.
+//  - A device block: the unit is gathered whole into an fp32 device scratch (gather_with_device's
+//    route), then each piece is copied (fp32) or cast (bf16) out of it: a unit's worth of
+//    transient device memory, freed in stream order.
+void gather_pieces_cuda(Runtime* rt, int unit, int64_t v, const Pieces& pieces, ElemType type, cudaStream_t stream) {
+  const size_t esize = elem_size(type);
+  if (rt->device() < 0) {
+    int64_t total = 0;
+    for (int64_t c : pieces.counts) total += c;
+    char* host = static_cast<char*>(t_staging.get(static_cast<size_t>(std::max<int64_t>(total, 1)) * esize));
+    std::vector<void*> staged;
+    for (size_t i = 0, at = 0; i < pieces.counts.size(); at += static_cast<size_t>(pieces.counts[i]) * esize, ++i)
+      staged.push_back(host + at);
+    rt->gather_pieces(unit, v, pieces.offsets, pieces.counts, staged, type);
+    for (size_t i = 0; i < staged.size(); ++i)
+      if (pieces.counts[i] > 0)
+        check(cudaMemcpyAsync(pieces.ptrs[i], staged[i], static_cast<size_t>(pieces.counts[i]) * esize,
+                              cudaMemcpyHostToDevice, stream),
+              "gather_pieces H2D");
+    check(cudaStreamSynchronize(stream), "gather_pieces");  // the staging buffer is reused by the next call
+    return;
+  }
+  const int64_t n = rt->numel(unit);
+  for (size_t i = 0; i < pieces.ptrs.size(); ++i) {  // the host route checks in Runtime::gather_pieces
+    if (pieces.offsets[i] < 0 || pieces.offsets[i] + pieces.counts[i] > n)
+      throw Error("odc.gather_pieces: rank " + std::to_string(rt->rank()) + ": piece [" +
+                  std::to_string(pieces.offsets[i]) + ", " + std::to_string(pieces.offsets[i] + pieces.counts[i]) +
+                  ") of unit " + std::to_string(unit) + " lies outside its " + std::to_string(n) + " elements");
+    check_on_device(rt, pieces.ptrs[i], "odc.gather_pieces", unit);
+  }
+  float* full = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&full), static_cast<size_t>(n) * 4, stream), "gather_pieces scratch");
+  bool staged = false;
+  try {
+    rt->gather_device(unit, v, full, stream);
+    staged = gather_host_owners(rt, unit, v, full, n, stream);
+    for (size_t i = 0; i < pieces.ptrs.size(); ++i) {
+      const int64_t m = pieces.counts[i];
+      if (m == 0) continue;
+      const float* src = full + pieces.offsets[i];
+      if (type == ElemType::kF32) {
+        check(cudaMemcpyAsync(pieces.ptrs[i], src, static_cast<size_t>(m) * 4, cudaMemcpyDeviceToDevice, stream),
+              "gather_pieces copy");
+      } else {
+        cast_f32_to_bf16<<<cast_blocks(m), 256, 0, stream>>>(src, static_cast<uint16_t*>(pieces.ptrs[i]), m);
+        check(cudaGetLastError(), "bf16 cast kernel");
+      }
+    }
+  } catch (...) {
+    cudaFreeAsync(full, stream);
+    throw;
+  }
+  check(cudaFreeAsync(full, stream), "gather_pieces scratch free");
+  if (staged) check(cudaStreamSynchronize(stream), "gather_pieces");
+}
+
+ffi::Error GatherPiecesCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::Buffer<ffi::S32> version,
+                                ffi::RemainingRets outs, int64_t runtime, int64_t unit,
+                                ffi::Span<const int64_t> offsets) {
+  Pieces pieces;
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_pieces(runtime, unit, local_shard, outs, offsets, &pieces, &rt, &type); err.failure()) return err;
+  return run_guarded([&] {
+    gather_pieces_cuda(rt, static_cast<int>(unit), read_version(version.typed_data(), stream), pieces, type, stream);
+  });
+}
+
+// A range push (one parameter of a unit) leaves through host memory to every owner, device owners
+// included (their host accumulators are added to the device ones at fetch): one D2H copy of the
+// range, then the CPU handler's path, so registered TAGC ranges are encoded (bitmap + count
+// sketch, error-feedback residual kept on the host) by the same code as on CPU.
+ffi::Error ScatterRangeCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard, ffi::AnyBuffer grad,
+                                ffi::Buffer<ffi::S32> version, ffi::AnyBuffer token,
+                                ffi::Result<ffi::AnyBuffer> token_out, int64_t runtime, int64_t unit, int64_t offset) {
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_scatter(runtime, unit, local_shard, grad, token, &rt, &type, /*range=*/true); err.failure())
+    return err;
+  return run_guarded([&] {
+    check(advance_token(stream, token, token_out), "token");
+    if (rt->device() >= 0) check_on_device(rt, grad.untyped_data(), "odc.scatter_accumulate_range", unit);
+    const int64_t n = static_cast<int64_t>(grad.element_count());
+    const size_t bytes = static_cast<size_t>(n) * elem_size(type);
+    void* host = t_staging.get(std::max<size_t>(bytes, 1));
+    if (bytes > 0) check(cudaMemcpyAsync(host, grad.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream), "scatter D2H");
+    const int64_t v = read_version(version.typed_data(), stream);  // also waits for the D2H copy
+    rt->scatter_accumulate_range(static_cast<int>(unit), v, offset, host, type, n);
+  });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCuda, GatherPiecesCudaImpl,
+                              bind_gather_pieces(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCuda, ScatterRangeCudaImpl,
+                              bind_scatter_range(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCuda, GatherCudaImpl,
                               bind_gather(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCuda, GatherIntoCudaImpl,

@@ -11,8 +11,13 @@ Implementations:
             works only over each run's causal triangle: cost ~ a * sum(s^2) + b * sum(s) over the
             row's sample lengths s. Its backward is FlashAttention-2's (recomputes P from the
             saved log-sum-exp).
-  "auto":   the kernel on CPU, dense elsewhere (there is no CUDA varlen kernel yet).
-Both compute in float32 and return the input dtype (float32 or bfloat16).
+  "pallas": FlashAttention-2 in Pallas (jaxodc/ops/attention_pallas.py: jax's Triton kernel, made
+            to visit only the blocks a row's samples reach): cost ~ sum(s^2) up to block rounding,
+            memory linear in T. Compiled by Triton on a GPU; elsewhere it runs in Pallas interpret
+            mode (slow: tests). NEVER YET RUN ON A GPU: checked only in interpret mode on CPU
+            against the CPU kernel; tests/gpu/test_attention_gpu.py is its GPU check.
+  "auto":   the kernel on CPU, "pallas" on CUDA, dense elsewhere.
+All compute in float32 and return the input dtype (float32 or bfloat16).
 """
 from __future__ import annotations
 
@@ -23,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc import _native
+from jaxodc.ops import attention_pallas
 
 _native.register_targets()
 
-IMPLS = ("auto", "dense", "kernel")
+IMPLS = ("auto", "dense", "kernel", "pallas")
 ISAS = ("scalar", "sse2", "avx2", "avx512")  # the kernel's `isa` attribute is index + 1; 0 = best
 
 
@@ -91,10 +97,40 @@ def _kernel_vjp_bwd(isa, res, do):
 _kernel.defvjp(_kernel_vjp_fwd, _kernel_vjp_bwd)
 
 
-# "auto" picks the implementation when lowering. One custom_vjp around both keeps the residuals
-# identical ((q, k, v, segment_ids, o, lse)): a platform_dependent around two differentiable
-# branches would make the CPU branch carry zeros for the dense branch's [B, H, T, T] residuals.
-# The dense backward therefore recomputes its forward.
+# Triton compiles the Pallas kernels on CUDA; any other platform interprets them.
+def _pallas_fwd_call(q, k, v, segment_ids):
+    return jax.lax.platform_dependent(
+        q, k, v, segment_ids, cuda=functools.partial(attention_pallas.forward, interpret=False),
+        default=functools.partial(attention_pallas.forward, interpret=True))
+
+
+def _pallas_bwd_call(q, k, v, segment_ids, o, lse, do):
+    return jax.lax.platform_dependent(
+        q, k, v, segment_ids, o, lse, do, cuda=functools.partial(attention_pallas.backward, interpret=False),
+        default=functools.partial(attention_pallas.backward, interpret=True))
+
+
+@jax.custom_vjp
+def _pallas(q, k, v, segment_ids):
+    return _pallas_fwd_call(q, k, v, segment_ids)[0]
+
+
+def _pallas_vjp_fwd(q, k, v, segment_ids):
+    o, lse = _pallas_fwd_call(q, k, v, segment_ids)
+    return o, (q, k, v, segment_ids, o, lse)
+
+
+def _pallas_vjp_bwd(res, do):
+    return (*_pallas_bwd_call(*res, do), None)
+
+
+_pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
+
+
+# "auto" picks the implementation when lowering. One custom_vjp around all keeps the residuals
+# identical ((q, k, v, segment_ids, o, lse), lse in natural log): a platform_dependent around
+# differentiable branches would make the CPU branch carry zeros for the dense branch's [B, H, T, T]
+# residuals. The dense backward therefore recomputes its forward.
 @jax.custom_vjp
 def _auto(q, k, v, segment_ids):
     return _auto_fwd(q, k, v, segment_ids)[0]
@@ -102,7 +138,8 @@ def _auto(q, k, v, segment_ids):
 
 def _auto_fwd(q, k, v, segment_ids):
     o, lse = jax.lax.platform_dependent(
-        q, k, v, segment_ids, cpu=lambda *a: _kernel_fwd_call(*a, 0), default=_dense)
+        q, k, v, segment_ids, cpu=lambda *a: _kernel_fwd_call(*a, 0),
+        cuda=lambda *a: attention_pallas.forward(*a, interpret=False), default=_dense)
     return o, (q, k, v, segment_ids, o, lse)
 
 
@@ -112,7 +149,8 @@ def _auto_bwd(res, do):
         return vjp(do)
 
     dq, dk, dv = jax.lax.platform_dependent(
-        *res, do, cpu=lambda *a: _kernel_bwd_call(*a, 0), default=dense_bwd)
+        *res, do, cpu=lambda *a: _kernel_bwd_call(*a, 0),
+        cuda=lambda *a: attention_pallas.backward(*a, interpret=False), default=dense_bwd)
     return dq, dk, dv, None
 
 
@@ -147,7 +185,8 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     Args:
       q, k, v: [B, T, H, Dh], float32 or bfloat16 (all the same dtype).
       segment_ids: [B, T] integer; each sample is one contiguous run of one id, 0 = padding.
-      impl: "auto" (kernel on CPU, dense elsewhere), "dense" or "kernel" (CPU only).
+      impl: "auto" (kernel on CPU, pallas on CUDA, dense elsewhere), "dense", "kernel" (CPU only)
+        or "pallas" (GPU; interpret mode elsewhere).
 
     Returns:
       [B, T, H, Dh] in q's dtype.
@@ -164,6 +203,8 @@ def _segment_attention(q, k, v, segment_ids, *, impl: str = "auto", isa: int = 0
         o = _dense(q, k, v, segment_ids)[0]
     elif impl == "kernel":
         o = _kernel(q, k, v, segment_ids, int(isa))
+    elif impl == "pallas":
+        o = _pallas(q, k, v, segment_ids)
     else:
         o = _auto(q, k, v, segment_ids)
     return o.astype(dtype)

@@ -2,7 +2,7 @@
 the cotangent to the owners (scatter-accumulate), so `jax.grad` of an ordinary loss drives the
 whole exchange layer by layer. Both run as XLA FFI custom calls inside `jax.jit`.
 `odc_gather_pieces` returns the unit cut into pieces (its parameters) and pushes each piece's
-cotangent on its own (CPU), so the unit's gradient is never concatenated into one buffer.
+cotangent on its own, so the unit's gradient is never concatenated into one buffer.
 
 Every op names its runtime explicitly (`runtime=`: a `jaxodc.odc.Runtime` or its `handle`, passed
 to the handler as an np.int64 attribute), so one process may hold several runtimes."""
@@ -149,8 +149,9 @@ def odc_gather_pieces(local_shard: jax.Array, version, *, runtime, unit: int, nu
 
     Its VJP pushes each piece's cotangent to the owners separately, as soon as XLA has it, so the
     unit's gradient is never concatenated and each piece's can be freed after its push. Elements
-    outside every piece (padding) receive no gradient. CPU only (the range push has no CUDA
-    handler; use odc_gather there).
+    outside every piece (padding) receive no gradient. On CUDA (docs/gpu.md, never yet run on a
+    GPU) the pieces are staged through host memory or cut from a device scratch of the unit, and
+    each range push leaves through host memory.
 
     Args:
       local_shard, version, runtime, unit, numel, dtype: as for `odc_gather`.
@@ -197,7 +198,7 @@ def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, 
     Args:
       local_shard: this rank's float32 shard of the unit.
       grad: float32 or bfloat16; the whole flat unit, or with `offset` its elements
-        [offset, offset + grad.size) (CPU only).
+        [offset, offset + grad.size) (on CUDA: through host memory, docs/gpu.md).
       version: int32 scalar, the minibatch the gradient belongs to.
       runtime: the `jaxodc.odc.Runtime` holding the unit (or its `handle`).
       unit: the unit's index in the runtime's layout.
