@@ -100,8 +100,13 @@ def test_failing_rank_tears_down_with_its_status(tmp_path):
     p, elapsed = launch("-n", "3", "--grace", "2", PROBE, "fail", str(tmp_path))
     assert p.returncode == 3, p.stderr
     assert elapsed < 15  # the others sleep 120 s: they were stopped, not waited for
-    assert "rank 1" in p.stderr and "exited with status 3" in p.stderr
-    assert "[rank 1] last words of rank 1" in p.stderr.split("exited with status 3", 1)[1]
+    assert "[rank 1] last words of rank 1" in p.stderr  # forwarded live
+    # then one line naming the rank, its last words and the log holding all its output
+    m = re.search(r"rank 1 \(pid \d+\) exited with status 3: last words of rank 1 -- its full "
+                  r"output is in (\S+); the other ranks were stopped\n$", p.stderr)
+    assert m, p.stderr
+    with open(m.group(1)) as f:
+        assert f.read() == "rank 1 started\nlast words of rank 1\n"
     _assert_all_gone(_pids(tmp_path, 3))
 
 

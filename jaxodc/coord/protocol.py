@@ -184,6 +184,21 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
     return buf if into is not None else bytes(buf)
 
 
+# A body above this is read into memory that grows with the bytes received, not allocated from the
+# announced length: a peer announcing a large frame and sending nothing costs nothing.
+_GROW_CHUNK = 1 << 20
+
+
+def _recv_growing(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(_GROW_CHUNK, n - len(buf)))
+        if not chunk:
+            raise ConnectionClosed(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
 def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME, typed: bool = True) -> dict:
     """Receive and decode one frame.
 
@@ -199,7 +214,7 @@ def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME, typed: bool = Tr
     (n,) = HEADER.unpack(recv_exact(sock, HEADER.size))
     check_length(n, max_frame)
     try:
-        body = recv_exact(sock, n)
+        body = recv_exact(sock, n) if n <= _GROW_CHUNK else _recv_growing(sock, n)
     except ConnectionClosed as e:
         raise ProtocolError(f"connection closed inside a {n}-byte frame ({e})") from None
     return decode(body, typed)
