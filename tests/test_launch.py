@@ -188,7 +188,10 @@ def test_remote_hosts_are_refused_with_instructions():
 def test_two_launchers_form_one_job(tmp_path):
     """Multi-host launch emulated on one machine: one launcher per 'node'."""
     coord = f"127.0.0.1:{free_port()}"
-    common = ["-n", "1", "--nnodes", "2", "--coordinator", coord, "--timeout", "40"]
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode() + b"\n")
+    common = ["-n", "1", "--nnodes", "2", "--coordinator", coord, "--timeout", "40",
+              "--secret-file", str(secret)]
     procs = [subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", *common, "--node-rank",
                                str(n), PROBE, "env", str(tmp_path)], cwd=REPO, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -206,6 +209,203 @@ def test_two_launchers_form_one_job(tmp_path):
         assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(r), "2", "0")
         assert got[r]["ctx"][:4] == [r, 2, 0, 1] and got[r]["gathered"] == [0, 1]
     assert got[0]["ctx"][4] == got[1]["ctx"][4]  # same job id on both nodes
+    assert got[0]["env"]["JAXODC_SECRET_FILE"] == str(secret) == got[1]["env"]["JAXODC_SECRET_FILE"]
+    assert not got[0]["env"]["JAXODC_JOB_SECRET"]
+
+
+def test_launchers_across_hosts_need_a_secret(tmp_path):
+    p, _ = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--coordinator",
+                  "10.1.2.3:29500", PROBE, "env", str(tmp_path))
+    assert p.returncode == 2
+    assert "every host needs the same job secret" in p.stderr and "--secret-file" in p.stderr
+    (tmp_path / "empty").write_bytes(b"  \n")
+    p, _ = launch("-n", "1", "--secret-file", str(tmp_path / "empty"), PROBE, "env", str(tmp_path))
+    assert p.returncode == 2 and "is empty" in p.stderr, p.stderr
+    assert not list(tmp_path.glob("*.pid"))  # refused before any rank started
+
+
+def test_each_job_gets_its_own_secret_through_the_environment(tmp_path):
+    secrets = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        p, _ = launch("-n", "2", PROBE, "env", str(d), timeout=90)
+        assert p.returncode == 0, p.stderr
+        got = _parse_rank_json(p.stdout, 2)
+        secret = got[0]["env"]["JAXODC_JOB_SECRET"]
+        assert re.fullmatch(r"[0-9a-f]{64}", secret) and got[1]["env"]["JAXODC_JOB_SECRET"] == secret
+        assert all(secret not in a for a in got[0]["argv"])
+        secrets.append(secret)
+    assert secrets[0] != secrets[1]
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Live processes that carry the job in their environment (ranks and their children) or are
+    its watchdog."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if (f"JAXODC_JOB_ID={job_id}\0".encode() in env or f"watchdog\0{job_id}".encode() in cmd) \
+                and _alive(int(d)):
+            found.append(int(d))
+    return found
+
+
+def _listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def _assert_job_gone(job_id: str, port: int | None = None) -> None:
+    deadline = time.monotonic() + 10
+    while _job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _job_processes(job_id)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes of job {job_id} survived: {left}"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"jaxodc_{job_id}_")]
+    if port is not None:
+        assert not _listening(port), f"port {port} still listening"
+
+
+def _launcher(job_id, *argv, n=2):
+    return subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", "-n", str(n), "--grace", "2",
+                             "--job-id", job_id, *argv], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/children") as f:
+            out.update(int(x) for x in f.read().split())
+    return out
+
+
+def test_sigint_while_spawning_stops_at_once(tmp_path):
+    job = "jsigint" + str(os.getpid())
+    n = 24
+    proc = _launcher(job, PROBE, "sleep", str(tmp_path), n=n)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_children(proc.pid)) < 2:  # the watchdog and a first rank
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - t0 < 8
+    m = re.search(r"received SIGINT; stopping the job \((\d+) running rank\(s\)\)", err)
+    assert m, err
+    assert int(m.group(1)) < n, err  # it did not wait for the other spawns
+    assert err.count("\n") == 1, err  # one line: no rank's KeyboardInterrupt traceback
+    assert "Traceback" not in out
+    _assert_job_gone(job)
+
+
+def test_sigkilled_launcher_takes_its_ranks_segments_and_ports_along(tmp_path):
+    job = "jsigkill" + str(os.getpid())
+    port = free_port()
+    proc = _launcher(job, "--coordinator", f"127.0.0.1:{port}", PROBE, "hold", str(tmp_path), n=3)
+    try:
+        ready, deadline = 0, time.monotonic() + 60
+        while ready < 3:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, proc.stderr.read()
+            ready += line.endswith("ready\n")
+        assert _listening(port)
+        assert len([n for n in os.listdir("/dev/shm") if n.startswith(f"jaxodc_{job}_")]) == 3
+        assert len(_job_processes(job)) == 3 * 2 + 1  # ranks, their children, the watchdog
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_job_gone(job, port)
+
+
+PARENT = """
+import os, subprocess, sys, time
+from jaxodc.launch import launcher
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                         preexec_fn=launcher._child_setup(launcher._prctl(), os.getpid()))
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_dies_with_its_parent_by_the_parent_death_signal():
+    """The parent-death signal alone (no watchdog): the child of a SIGKILLed parent dies."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        _assert_all_gone([child])
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_absurd_rank_counts_are_refused_with_the_reason(tmp_path, monkeypatch):
+    p, elapsed = launch("-n", "100000", PROBE, "sleep", str(tmp_path))
+    assert p.returncode == 2
+    cores = len(os.sched_getaffinity(0))
+    assert f"-n 100000 ranks is more than this machine can run: {cores} core(s)" in p.stderr
+    assert not os.listdir(tmp_path)
+    from jaxodc.launch import launcher
+    monkeypatch.setattr(launcher, "_mem_available", lambda: 1 << 30)
+    assert launcher.capacity_error(1) is None
+    assert "at most 4 ranks fit" in launcher.capacity_error(5)
+
+
+def test_progress_updates_are_forwarded_before_the_newline(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", "-n", "1", PROBE, "progress",
+                             str(tmp_path)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        got, t_first = b"", None
+        while b"finished" not in got:
+            c = proc.stdout.read1(4096)
+            if not c:
+                break
+            if t_first is None and b"step 0\r" in got + c:
+                t_first = time.monotonic()
+            got += c
+        t_end = time.monotonic()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert got == b"[rank 0] step 0\r[rank 0] step 1\r[rank 0] step 2\r[rank 0] finished\n"
+    assert t_end - t_first > 1.5  # the first update arrived while the rank still ran
 
 
 # -- environment parsing and SLURM ----------------------------------------------------------------
