@@ -218,8 +218,8 @@ class _Job:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def teardown(self, grace: float, first_sig: int = signal.SIGTERM) -> None:
-        self.signal_all(first_sig)
+    def teardown(self, grace: float) -> None:
+        self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks):
             time.sleep(0.02)
