@@ -317,9 +317,11 @@ def test_sigint_while_spawning_stops_at_once(tmp_path):
             proc.wait()
     assert proc.returncode == 128 + signal.SIGINT, err
     assert time.monotonic() - t0 < 8
-    m = re.search(r"received SIGINT; stopping the job \((\d+) running rank\(s\)\)", err)
+    m = re.search(r"received SIGINT; stopping the job \((\d+) running rank\(s\); their output is in "
+                  r"(\S+)\)\n", err)
     assert m, err
     assert int(m.group(1)) < n, err  # it did not wait for the other spawns
+    assert len(os.listdir(m.group(2))) < n  # one log per rank started
     assert err.count("\n") == 1, err  # one line: no rank's KeyboardInterrupt traceback
     assert "Traceback" not in out
     _assert_job_gone(job)

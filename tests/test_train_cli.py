@@ -170,3 +170,25 @@ def test_damaged_checkpoint_under_the_launcher_is_a_few_lines(tmp_path):
                and "traceback in" in x for x in lines), p.stderr
     assert lines[-1].startswith("jaxodc launch: rank ") and "exited with status 1: [rank" not in lines[-1]
     assert "its full output is in" in lines[-1], p.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigint_stops_training_with_one_line(tmp_path):
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "jaxodc", "train", "--ranks", "2", "--steps", "10000"] + SMALL,
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while "minibatch 1: loss" not in proc.stdout.readline():  # training runs
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert err.count("\n") == 1 and err.startswith("jaxodc launch: received SIGINT; stopping the job (2 running"), err
+    assert "Traceback" not in out

@@ -468,11 +468,11 @@ def main(argv: list[str]) -> int:
             if status or out is None:  # failed, or not rank 0
                 return status
         else:
-            from jaxodc.launch.launcher import launch_ranks
+            from jaxodc.launch.launcher import RanksFailed, launch_ranks
             try:
                 launch_ranks(args.ranks, "jaxodc.cli.train", worker_argv(args), timeout_s=args.timeout)
-            except SystemExit as e:  # the launcher has said which rank failed and why
-                return e.code if isinstance(e.code, int) else 1
+            except RanksFailed as e:  # the launcher has said which rank failed and why
+                return e.status
         report(args.json, args.timeline, None if tmp else args.json)
     finally:
         if tmp:

@@ -400,7 +400,7 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
     try:
         for local in range(args.nproc):
             if job.pending_signals:  # honoured while spawning, not only once every rank runs
-                status = _stop_on_signal(job, args)
+                status = _stop_on_signal(job, args, log_dir)
                 return status
             rank = args.node_rank * args.nproc + local
             env = rank_env(os.environ, rank=rank, world=world, local_rank=local,
@@ -425,7 +425,7 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
                 t = threading.Thread(target=job.pump, args=(r, pipe, sink), daemon=True)
                 t.start()
                 r.readers.append(t)
-        status = _supervise(job, args)
+        status = _supervise(job, args, log_dir)
         return status
     finally:
         if ranks and any(r.proc.poll() is None for r in ranks):
@@ -446,23 +446,24 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _stop_on_signal(job: _Job, args) -> int:
+def _stop_on_signal(job: _Job, args, log_dir: str) -> int:
     """One line, then every rank stopped: SIGTERM (a Python rank dies of it without a traceback),
     SIGKILL after the grace period. Their last output goes to their logs only."""
     signum = job.pending_signals[0]
     started = sum(1 for r in job.ranks if r.proc.poll() is None)
-    _err(f"received {signal.Signals(signum).name}; stopping the job ({started} running rank(s))")
+    _err(f"received {signal.Signals(signum).name}; stopping the job ({started} running rank(s); their "
+         f"output is in {log_dir})")
     job.silenced.update(r.rank for r in job.ranks)
     job.teardown(args.grace)
     return 128 + signum
 
 
-def _supervise(job: _Job, args) -> int:
+def _supervise(job: _Job, args, log_dir: str) -> int:
     start = time.monotonic()
     ranks = job.ranks
     while True:
         if job.pending_signals:
-            return _stop_on_signal(job, args)
+            return _stop_on_signal(job, args, log_dir)
         failed = [r for r in ranks if r.proc.poll() not in (None, 0)]
         if failed:
             # The first to fail is the one whose pid was reaped first; poll order is by rank, so
@@ -522,12 +523,20 @@ def rank_pythonpath() -> str:
     return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
+class RanksFailed(SystemExit):
+    """`launch_ranks`' ranks failed (the launcher has said which and why); `status` is its exit status."""
+
+    def __init__(self, module: str, status: int):
+        super().__init__(f"ranks of {module} failed with status {status}")
+        self.status = status
+
+
 def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
     """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
-    RANK_ENV); raises SystemExit naming the module when a rank fails."""
+    RANK_ENV); raises RanksFailed (a SystemExit naming the module) when a rank fails."""
     os.environ.update(rank_env_defaults())
     os.environ.update(env or {})
     os.environ["PYTHONPATH"] = rank_pythonpath()
     status = main(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)
     if status != 0:
-        raise SystemExit(f"ranks of {module} failed with status {status}")
+        raise RanksFailed(module, status)
