@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import collections
 import ctypes
 import os
 import re
@@ -43,9 +42,8 @@ import time
 from jaxodc import auth
 from jaxodc.launch.context import cleanup_shm, free_port, new_job_id, sanitize_job_id
 
-__all__ = ["main", "rank_env", "capacity_error", "TAIL_LINES", "TIMEOUT_STATUS", "LOG_DIR_ENV"]
+__all__ = ["main", "rank_env", "capacity_error", "TIMEOUT_STATUS", "LOG_DIR_ENV"]
 
-TAIL_LINES = 50
 TIMEOUT_STATUS = 124
 LOG_DIR_ENV = "JAXODC_LOG_DIR"  # where a rank may write its traceback (the launcher's log folder)
 # The least memory a Python rank that imports jax takes; -n beyond MemAvailable / this is refused.
@@ -161,12 +159,13 @@ class _Rank:
         self.proc = proc
         self.log_path = log_path
         self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.last_line = {"stdout": "", "stderr": ""}  # the last non-blank line of each stream
         self.readers: list[threading.Thread] = []
 
 
 # A complete piece of output: a line, or a progress update ended by a carriage return.
 _PIECE = re.compile(r"[^\r\n]*[\r\n]")
+_HELD_MAX = 1 << 16
 
 
 class _Job:
@@ -177,7 +176,7 @@ class _Job:
         self.pending_signals: list[int] = []  # appended by the launcher's signal handler
         self.silenced: set[int] = set()  # ranks being stopped: their dying words go to their logs only
 
-    def pump(self, r: _Rank, pipe, sink) -> None:
+    def pump(self, r: _Rank, pipe, sink, stream: str) -> None:
         """Copy a rank's output to its log and, a whole line or a \\r progress update at a time, to
         `sink` (so a progress bar stays live and ranks never split each other's lines)."""
         prefix = f"[rank {r.rank}] " if self.tag else ""
@@ -195,9 +194,12 @@ class _Job:
             if not data and done < len(held):
                 pieces.append(held[done:] + "\n")
             held = held[done:]
+            if len(held) > _HELD_MAX:  # a line without end: forwarded in parts, memory stays bounded
+                pieces.append(held)
+                held = ""
             for piece in pieces:
-                if piece.endswith("\n"):
-                    r.tail.append(piece.rstrip("\n"))
+                if piece.endswith("\n") and piece.strip():
+                    r.last_line[stream] = piece.strip()
             if pieces and r.rank not in self.silenced:
                 with self.out_lock:
                     try:
@@ -421,8 +423,8 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
             _tell_watchdog(dog, str(proc.pid))  # its process group: it leads a new session
             r = _Rank(rank, proc, os.path.join(log_dir, f"rank{rank}.log"))
             ranks.append(r)
-            for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=job.pump, args=(r, pipe, sink), daemon=True)
+            for pipe, sink, stream in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
+                t = threading.Thread(target=job.pump, args=(r, pipe, sink, stream), daemon=True)
                 t.start()
                 r.readers.append(t)
         status = _supervise(job, args, log_dir)
@@ -474,7 +476,7 @@ def _supervise(job: _Job, args, log_dir: str) -> int:
             job.silenced.update(r.rank for r in ranks if r is not bad)
             job.teardown(args.grace)
             job.join_readers()
-            last = next((line.strip() for line in reversed(bad.tail) if line.strip()), "")
+            last = bad.last_line["stderr"] or bad.last_line["stdout"]  # an error's words go to stderr
             said = f": {last}" if last else " without output"
             _err(f"rank {bad.rank} (pid {bad.proc.pid}) {_describe(code)}{said} -- its full output "
                  f"is in {bad.log_path}; the other ranks were stopped")
