@@ -502,14 +502,29 @@ def _psum_body(ctx, n):
     summed, gathered = f(arr)
     (s,) = [np.asarray(x.data) for x in summed.addressable_shards]
     (g,) = [np.asarray(x.data) for x in gathered.addressable_shards]
-    return local, s, g
+    binds = _listen_addresses(int(ctx.jax_coordinator.rsplit(":", 1)[1])) if ctx.rank == 0 else None
+    return local, s, g, binds
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* shows them) listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    out.add(local.rsplit(":", 1)[0])
+    return out
 
 
 def test_jax_distributed_gloo_psum_two_processes():
     n = 37
     res = run_ranks(_psum_body, 2, args=(n,), timeout_s=90)
     locals_ = [r[0] for r in res]
-    for rank, (local, s, g) in enumerate(res):
+    # jax's coordinator listens on loopback only (127.0.0.1), not on every interface
+    assert res[0][3] and res[0][3] <= {"0100007F", "0000000000000000FFFF00000100007F"}, res[0][3]  # or ::ffff:
+    for rank, (local, s, g, _) in enumerate(res):
         assert np.array_equal(local, np.random.default_rng(rank).standard_normal(n)
                               .astype(np.float32))
         np.testing.assert_allclose(s, locals_[0] + locals_[1], rtol=1e-6, atol=1e-6)
