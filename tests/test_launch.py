@@ -396,7 +396,7 @@ def test_progress_updates_are_forwarded_before_the_newline(tmp_path):
             c = proc.stdout.read1(4096)
             if not c:
                 break
-            if t_first is None and b"step 0\r" in got + c:
+            if t_first is None and b"step 0" in got + c:
                 t_first = time.monotonic()
             got += c
         t_end = time.monotonic()
@@ -406,8 +406,8 @@ def test_progress_updates_are_forwarded_before_the_newline(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
-    assert got == b"[rank 0] step 0\r[rank 0] step 1\r[rank 0] step 2\r[rank 0] finished\n"
-    assert t_end - t_first > 1.5  # the first update arrived while the rank still ran
+    assert got == b"[rank 0] plain line\n\r[rank 0] step 0\r[rank 0] step 1\r[rank 0] step 2\n[rank 0] finished\n"
+    assert t_end - t_first > 1.5  # the first update arrived while the rank still ran, not at its newline
 
 
 # -- environment parsing and SLURM ----------------------------------------------------------------

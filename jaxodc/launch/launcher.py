@@ -164,7 +164,7 @@ class _Rank:
 
 
 # A complete piece of output: a line, or a progress update ended by a carriage return.
-_PIECE = re.compile(r"[^\r\n]*[\r\n]")
+_PIECE = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
 _HELD_MAX = 1 << 16
 
 
@@ -177,11 +177,13 @@ class _Job:
         self.silenced: set[int] = set()  # ranks being stopped: their dying words go to their logs only
 
     def pump(self, r: _Rank, pipe, sink, stream: str) -> None:
-        """Copy a rank's output to its log and, a whole line or a \\r progress update at a time, to
-        `sink` (so a progress bar stays live and ranks never split each other's lines)."""
+        """Copy a rank's output to its log and to `sink`: whole lines, so ranks never split each
+        other's lines, except on a line that a carriage return has made a progress bar, whose
+        updates go out as they come (the bar stays live). Every line and update gets the prefix."""
         prefix = f"[rank {r.rank}] " if self.tag else ""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         fd, held = pipe.fileno(), ""
+        at_start, in_bar = True, False  # next text begins a line / update; a \r was seen on this line
         while True:
             data = os.read(fd, 65536)
             try:
@@ -190,20 +192,24 @@ class _Job:
                 pass  # a full disk must not block the rank
             held += decoder.decode(data, final=not data)
             pieces = _PIECE.findall(held)
-            done = sum(map(len, pieces))
-            if not data and done < len(held):
-                pieces.append(held[done:] + "\n")
-            held = held[done:]
-            if len(held) > _HELD_MAX:  # a line without end: forwarded in parts, memory stays bounded
-                pieces.append(held)
+            held = held[sum(map(len, pieces)):]
+            if held and (not data or in_bar or "\r" in "".join(pieces)[-1:] or len(held) > _HELD_MAX):
+                # the end of output, a bar's update, or a line too long to hold (memory bounded)
+                pieces.append(held + ("\n" if not data else ""))
                 held = ""
+            out = []
             for piece in pieces:
+                if at_start and piece != "\r":
+                    out.append(prefix)
+                out.append(piece)
+                at_start = piece.endswith(("\r", "\n"))
+                in_bar = (in_bar or piece.endswith("\r")) and not piece.endswith("\n")
                 if piece.endswith("\n") and piece.strip():
                     r.last_line[stream] = piece.strip()
-            if pieces and r.rank not in self.silenced:
+            if out and r.rank not in self.silenced:
                 with self.out_lock:
                     try:
-                        sink.write("".join(prefix + p for p in pieces))
+                        sink.write("".join(out))
                         sink.flush()
                     except (OSError, ValueError):
                         pass  # our own stdout went away; keep draining so the rank never blocks

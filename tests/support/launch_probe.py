@@ -6,7 +6,7 @@ MODE fail: rank 1 prints last words and exits 3 (others sleep). MODE sigkill: ra
 itself with SIGKILL. MODE sleep: everyone sleeps. MODE shm: rank 1 creates a shared-memory file
 named like the ODC runtime's, then exits 3. MODE hold: every rank joins the job (rank 0 listens
 at the coordinator), creates a shared-memory file of the job, prints "ready" and sleeps.
-MODE progress: rank 0 prints three \\r-updates a second apart, then a line.
+MODE progress: rank 0 prints a line, three \\r-updates a second apart, then a line.
 """
 import json
 import os
@@ -50,10 +50,11 @@ if mode == "hold":
     time.sleep(120)
 if mode == "progress":
     if rank == 0:
-        for i in range(3):
-            print(f"step {i}", end="\r", flush=True)
+        print("plain line", flush=True)
+        for i in range(3):  # as jaxodc.train.metrics.Progress draws its bar
+            print(f"\rstep {i}", end="", flush=True)
             time.sleep(1.0)
-        print("finished", flush=True)
+        print("\nfinished", flush=True)
     child.kill()
     sys.exit(0)
 
