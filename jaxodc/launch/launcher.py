@@ -443,8 +443,12 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
             os.close(r.log_fd)
         _tell_watchdog(dog, "done")
         if dog is not None:
-            dog.stdin.close()
-            dog.wait(timeout=30)
+            try:
+                dog.stdin.close()
+                dog.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                dog.kill()  # told "done": it has nothing left to do
+                dog.wait()
         for s, h in old_handlers.items():
             signal.signal(s, h)
         removed = cleanup_shm(job_id)
