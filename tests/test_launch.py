@@ -446,6 +446,24 @@ def test_settings_from_slurm_and_launcher_env():
     assert settings_from_env({}).source == "single"
 
 
+def test_slurm_job_secret_from_its_environment(tmp_path, monkeypatch):
+    """Under SLURM the job's environment carries the secret (a file every node reads); without
+    one rank 0 refuses to open the rendezvous to the network, saying what to do."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "9",
+             "SLURM_STEP_NODELIST": "node-x[1-2]", "JAXODC_PORT": str(free_port())}
+    secret = tmp_path / "job.secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    assert settings_from_env({**slurm, "JAXODC_SECRET_FILE": str(secret)}).secret == b"0123456789abcdef" * 2
+    for k in list(os.environ):
+        if k.startswith(("JAXODC_", "SLURM_")):
+            monkeypatch.delenv(k)
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match=r"rank 0 could not start the rendezvous server at node-x1:\d+: "
+                                           r"rendezvous server: refusing to listen on 0.0.0.0 without a secret"):
+        dist.init_from_env(timeout_s=2)
+
+
 _SLURM_RANK = """
 import json
 from jaxodc.launch.context import init_from_env, shutdown
