@@ -392,7 +392,7 @@ def test_progress_updates_are_forwarded_before_the_newline(tmp_path):
                             stderr=subprocess.PIPE)
     try:
         got, t_first = b"", None
-        while b"finished" not in got:
+        while not got.endswith(b"finished\n"):
             c = proc.stdout.read1(4096)
             if not c:
                 break

@@ -283,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run():
         await svc.serve_start()
-        print(f"jaxodc master listening on {svc.address}", flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc._stopped.set)
+        print(f"jaxodc master listening on {svc.address}", flush=True)  # and stoppable from here on
         await svc._stopped.wait()
         await svc.serve_stop()
 
