@@ -19,6 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO, "tests", "support", "launch_probe.py")
 
 
+@pytest.fixture(autouse=True)
+def _logs_in_tmp_path(tmp_path, monkeypatch):
+    """The launcher keeps a failed job's logs under $TMPDIR: keep them out of the real /tmp."""
+    logs = tmp_path / "launcher_tmp"
+    logs.mkdir()
+    monkeypatch.setenv("TMPDIR", str(logs))
+
+
 def _env(**extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -159,7 +159,7 @@ def test_damaged_checkpoint_under_the_launcher_is_a_few_lines(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "manifest.json").write_text("{not json")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path))  # the failed job's logs stay there
     p = subprocess.run([sys.executable, "-m", "jaxodc", "train", "--ranks", "2", "--steps", "2", "--checkpoint",
                         str(ck), "--resume"] + SMALL, cwd=ROOT, env=env, text=True, capture_output=True, timeout=240)
     assert p.returncode == 1, p.stderr
