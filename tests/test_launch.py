@@ -386,12 +386,13 @@ def test_absurd_rank_counts_are_refused_with_the_reason(tmp_path, monkeypatch):
     p, elapsed = launch("-n", "100000", PROBE, "sleep", str(tmp_path))
     assert p.returncode == 2
     cores = len(os.sched_getaffinity(0))
-    assert f"-n 100000 ranks is more than this machine can run: {cores} core(s)" in p.stderr
-    assert not os.listdir(tmp_path)
+    assert f"-n 100000: more ranks than this machine can run: {cores} core(s)" in p.stderr
+    assert not list(tmp_path.glob("*.pid")) and not os.listdir(tmp_path / "launcher_tmp")  # nothing started
     from jaxodc.launch import launcher
     monkeypatch.setattr(launcher, "_mem_available", lambda: 1 << 30)
     assert launcher.capacity_error(1) is None
-    assert "at most 4 ranks fit" in launcher.capacity_error(5)
+    assert launcher.capacity_error(5) == ("-n 5: the ranks need at least 1.2 GiB (256 MiB each) but only 1.0 GiB of "
+                                          "memory is available; at most 4 ranks fit. Use fewer ranks or more hosts")
 
 
 def test_progress_updates_are_forwarded_before_the_newline(tmp_path):

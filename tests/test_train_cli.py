@@ -108,7 +108,7 @@ def test_path_arguments_are_checked_before_training(tmp_path, capsys):
     code, err = _main(["--export", str(afile / "x.msgpack")] + SMALL, capsys)
     assert code == 2 and f"--export: cannot create the directory {afile}" in err, err
     code, err = _main(["--ranks", "100000"] + SMALL, capsys)
-    assert code == 2 and "--ranks 100000 ranks is more than this machine can run" in err, err
+    assert code == 2 and "--ranks 100000: more ranks than this machine can run" in err, err
 
 
 def test_non_utf8_data_names_file_and_line(tmp_path, capsys):

@@ -438,8 +438,8 @@ def main(argv: list[str]) -> int:
         check_paths(args)
         if not launched:
             from jaxodc.launch.launcher import capacity_error
-            if capacity_error(args.ranks):
-                raise ValueError(capacity_error(args.ranks).replace("-n ", "--ranks ", 1))
+            if capacity_error(args.ranks, "--ranks"):
+                raise ValueError(capacity_error(args.ranks, "--ranks"))
             load_samples(args, args.ranks, report=True)  # bad input fails here, before any rank starts
             from jaxodc.train.straggle import parse_straggle
             straggle = parse_straggle(args.straggle)

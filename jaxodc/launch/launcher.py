@@ -311,15 +311,15 @@ def main(argv: list[str]) -> int:
     return _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env)
 
 
-def capacity_error(nproc: int) -> str | None:
-    """Why this machine cannot hold `nproc` ranks (memory, cores), or None."""
+def capacity_error(nproc: int, flag: str = "-n") -> str | None:
+    """Why this machine cannot hold `nproc` ranks (memory, cores), or None; `flag` names the option."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if nproc > RANKS_PER_CORE * cores:
-        return (f"-n {nproc} ranks is more than this machine can run: {cores} core(s) hold at most "
+        return (f"{flag} {nproc}: more ranks than this machine can run: {cores} core(s) hold at most "
                 f"{RANKS_PER_CORE * cores} ranks ({RANKS_PER_CORE} per core); use fewer ranks or more hosts")
     avail = _mem_available()
     if avail is not None and nproc * RANK_MEMORY_FLOOR > avail:
-        return (f"-n {nproc} ranks need at least {nproc * RANK_MEMORY_FLOOR / 2**30:.1f} GiB "
+        return (f"{flag} {nproc}: the ranks need at least {nproc * RANK_MEMORY_FLOOR / 2**30:.1f} GiB "
                 f"({RANK_MEMORY_FLOOR >> 20} MiB each) but only {avail / 2**30:.1f} GiB of memory is "
                 f"available; at most {avail // RANK_MEMORY_FLOOR} ranks fit. Use fewer ranks or more hosts")
     return None
