@@ -104,12 +104,19 @@ def encode(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
 
 
-def load_jsonl(path: str, max_len: int | None = None, truncate: bool = True) -> list[np.ndarray]:
+def load_jsonl(path: str, max_len: int | None = None, truncate: bool = True,
+               counts: dict | None = None) -> list[np.ndarray]:
     """One sample per line: {"text": ...}, byte-level tokens. Samples longer than max_len are
-    truncated (or rejected with truncate=False); empty lines are skipped."""
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for ln, line in enumerate(fh, 1):
+    truncated (or rejected with truncate=False); empty lines are skipped. `counts`, when given,
+    receives "records" and "truncated" (how many were cut)."""
+    out, cut = [], 0
+    with open(path, "rb") as fh:
+        for ln, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{ln}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -125,9 +132,12 @@ def load_jsonl(path: str, max_len: int | None = None, truncate: bool = True) -> 
                 if not truncate:
                     raise ValueError(f"{path}:{ln}: sample of {len(t)} tokens > max_len={max_len}")
                 t = t[:max_len]
+                cut += 1
             out.append(t)
     if not out:
         raise ValueError(f"{path}: no samples")
+    if counts is not None:
+        counts.update(records=len(out), truncated=cut)
     return out
 
 

@@ -208,9 +208,11 @@ def test_intruders_are_rejected_and_run_continues(svc, caplog):
         with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(b"\x00\x00\x00\x05hello garbage")
         ssh, ssp = P.parse_address(comms[0].ss_server.address)
-        with socket.create_connection((ssh, ssp), timeout=5) as s:
-            P.recv_frame(s)
-            s.sendall(P.pack({"t": "auth", "nonce": b"x" * 32, "mac": b"y" * 32}))
+        with socket.create_connection((ssh, ssp), timeout=5) as s:  # a forged jaxodc-auth-v2 answer
+            assert P.recv_exact(s, 36)[:4] == b"JXA2"
+            s.sendall(b"x" * 32 + b"\x00\x00\x00\x00" + b"y" * 32)
+            assert s.recv(1) == b""
+        assert comms[0].ss_server.refused == 1
         # a revision that skips: peer 1 claims 5 instead of 2 -> rejected, receives the popular state
         states[1]["w"][0] = -1.0
         infos = run_threads([lambda: comms[0].sync_shared_state(states[0], 2),
@@ -229,7 +231,7 @@ def test_intruders_are_rejected_and_run_continues(svc, caplog):
         assert "expected" in text and "last synced revision 1" in text
         assert "wrong shared secret" in text
         assert "dropped unauthenticated connection" in text
-        assert "refused" in text  # the shared-state server refused the forged auth
+        assert "wrong secret for claimed rank 0" in text  # the shared-state server refused the forged auth
     finally:
         close_all(comms)
 

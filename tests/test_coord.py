@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from jaxodc import auth
 from jaxodc.coord import protocol as P
 from jaxodc.coord.service import CoordinatorService
 
@@ -142,6 +143,76 @@ def test_wrong_secret_and_garbage_are_dropped_and_logged(svc, caplog):
     assert "exceeds the limit" in text
     assert "dropped malformed frame" in text and "undecodable msgpack" in text
     good.close()
+
+
+def test_handshake_binds_the_claimed_group_and_addresses(svc, caplog):
+    """A valid answer whose claims are changed afterwards (another group, another ring address)
+    is refused: the MAC covers them."""
+    caplog.set_level(logging.INFO, logger="jaxodc.coord")
+    host, port = P.parse_address(svc.address)
+    for field, value in (("group", 1), ("ring_addr", "ring-evil"), ("ss_addr", "ss-evil")):
+        with socket.create_connection((host, port), timeout=5) as s:
+            chal = P.recv_frame(s)
+            frame, _ = P.answer(SECRET, chal, {"group": 0, "ring_addr": "ring-a", "ss_addr": "ss-a"})
+            frame[field] = value
+            P.send_frame(s, frame)
+            assert P.recv_frame(s) == {"t": "error", "reason": "authentication failed"}
+    assert svc.snapshot()["counters"]["auth_failures"] == 3
+    assert caplog.text.count("wrong shared secret") == 3
+
+
+def test_connection_limit_and_stop_wake_idle_connections():
+    svc = CoordinatorService("127.0.0.1", 0, SECRET, max_connections=2).start()
+    host, port = P.parse_address(svc.address)
+    idle = [socket.create_connection((host, port), timeout=5) for _ in range(2)]  # inside the handshake
+    try:
+        for s in idle:
+            assert P.recv_frame(s)["t"] == "challenge"
+        with socket.create_connection((host, port), timeout=5) as s:  # the third is closed at once
+            assert s.recv(100) == b""
+        t0 = time.monotonic()
+        svc.stop()
+        assert time.monotonic() - t0 < 2  # not held by the connections still authenticating
+        for s in idle:
+            assert s.recv(100) == b""
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_master_refuses_to_listen_openly_without_a_secret(tmp_path):
+    def master(*argv, **env):
+        return subprocess.run([sys.executable, "-m", "jaxodc", "master", "--port", "0", *argv],
+                              capture_output=True, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("JAXODC_")} | env)
+    p = master("--host", "0.0.0.0")
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("jaxodc master: coordination service: refusing to listen on 0.0.0.0 without a "
+                                "secret; give one (--secret-file, or $JAXODC_JOB_SECRET) or bind 127.0.0.1")
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"\n")
+    p = master("--host", "0.0.0.0", "--secret-file", str(empty))
+    assert p.returncode == 2 and f"secret file {empty} is empty" in p.stderr, p.stderr
+    p = master("--secret-file", str(tmp_path / "missing"))
+    assert p.returncode == 2 and "cannot read secret file" in p.stderr, p.stderr
+    with pytest.raises(auth.AuthError, match="refusing to listen on 0.0.0.0"):
+        CoordinatorService("0.0.0.0", 0, b"")
+
+
+def test_master_listens_on_loopback_by_default():
+    proc = subprocess.Popen([sys.executable, "-m", "jaxodc", "master", "--port", "0", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("JAXODC_")})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("jaxodc master listening on 127.0.0.1:"), line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 def test_client_refuses_service_without_secret(svc):

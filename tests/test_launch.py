@@ -19,6 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO, "tests", "support", "launch_probe.py")
 
 
+@pytest.fixture(autouse=True)
+def _logs_in_tmp_path(tmp_path, monkeypatch):
+    """The launcher keeps a failed job's logs under $TMPDIR: keep them out of the real /tmp."""
+    logs = tmp_path / "launcher_tmp"
+    logs.mkdir()
+    monkeypatch.setenv("TMPDIR", str(logs))
+
+
 def _env(**extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -100,8 +108,13 @@ def test_failing_rank_tears_down_with_its_status(tmp_path):
     p, elapsed = launch("-n", "3", "--grace", "2", PROBE, "fail", str(tmp_path))
     assert p.returncode == 3, p.stderr
     assert elapsed < 15  # the others sleep 120 s: they were stopped, not waited for
-    assert "rank 1" in p.stderr and "exited with status 3" in p.stderr
-    assert "[rank 1] last words of rank 1" in p.stderr.split("exited with status 3", 1)[1]
+    assert "[rank 1] last words of rank 1" in p.stderr  # forwarded live
+    # then one line naming the rank, its last words and the log holding all its output
+    m = re.search(r"rank 1 \(pid \d+\) exited with status 3: last words of rank 1 -- its full "
+                  r"output is in (\S+); the other ranks were stopped\n$", p.stderr)
+    assert m, p.stderr
+    with open(m.group(1)) as f:
+        assert sorted(f.read().splitlines()) == ["last words of rank 1", "rank 1 started"]  # both streams
     _assert_all_gone(_pids(tmp_path, 3))
 
 
@@ -183,7 +196,10 @@ def test_remote_hosts_are_refused_with_instructions():
 def test_two_launchers_form_one_job(tmp_path):
     """Multi-host launch emulated on one machine: one launcher per 'node'."""
     coord = f"127.0.0.1:{free_port()}"
-    common = ["-n", "1", "--nnodes", "2", "--coordinator", coord, "--timeout", "40"]
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode() + b"\n")
+    common = ["-n", "1", "--nnodes", "2", "--coordinator", coord, "--timeout", "40",
+              "--secret-file", str(secret)]
     procs = [subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", *common, "--node-rank",
                                str(n), PROBE, "env", str(tmp_path)], cwd=REPO, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -201,6 +217,206 @@ def test_two_launchers_form_one_job(tmp_path):
         assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(r), "2", "0")
         assert got[r]["ctx"][:4] == [r, 2, 0, 1] and got[r]["gathered"] == [0, 1]
     assert got[0]["ctx"][4] == got[1]["ctx"][4]  # same job id on both nodes
+    assert got[0]["env"]["JAXODC_SECRET_FILE"] == str(secret) == got[1]["env"]["JAXODC_SECRET_FILE"]
+    assert not got[0]["env"]["JAXODC_JOB_SECRET"]
+
+
+def test_launchers_across_hosts_need_a_secret(tmp_path):
+    p, _ = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--coordinator",
+                  "10.1.2.3:29500", PROBE, "env", str(tmp_path))
+    assert p.returncode == 2
+    assert "every host needs the same job secret" in p.stderr and "--secret-file" in p.stderr
+    (tmp_path / "empty").write_bytes(b"  \n")
+    p, _ = launch("-n", "1", "--secret-file", str(tmp_path / "empty"), PROBE, "env", str(tmp_path))
+    assert p.returncode == 2 and "is empty" in p.stderr, p.stderr
+    assert not list(tmp_path.glob("*.pid"))  # refused before any rank started
+
+
+def test_each_job_gets_its_own_secret_through_the_environment(tmp_path):
+    secrets = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        p, _ = launch("-n", "2", PROBE, "env", str(d), timeout=90)
+        assert p.returncode == 0, p.stderr
+        got = _parse_rank_json(p.stdout, 2)
+        secret = got[0]["env"]["JAXODC_JOB_SECRET"]
+        assert re.fullmatch(r"[0-9a-f]{64}", secret) and got[1]["env"]["JAXODC_JOB_SECRET"] == secret
+        assert all(secret not in a for a in got[0]["argv"])
+        secrets.append(secret)
+    assert secrets[0] != secrets[1]
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Live processes that carry the job in their environment (ranks and their children) or are
+    its watchdog."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if (f"JAXODC_JOB_ID={job_id}\0".encode() in env or f"watchdog\0{job_id}".encode() in cmd) \
+                and _alive(int(d)):
+            found.append(int(d))
+    return found
+
+
+def _listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def _assert_job_gone(job_id: str, port: int | None = None) -> None:
+    deadline = time.monotonic() + 10
+    while _job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _job_processes(job_id)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes of job {job_id} survived: {left}"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"jaxodc_{job_id}_")]
+    if port is not None:
+        assert not _listening(port), f"port {port} still listening"
+
+
+def _launcher(job_id, *argv, n=2):
+    return subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", "-n", str(n), "--grace", "2",
+                             "--job-id", job_id, *argv], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/children") as f:
+            out.update(int(x) for x in f.read().split())
+    return out
+
+
+def test_sigint_while_spawning_stops_at_once(tmp_path):
+    job = "jsigint" + str(os.getpid())
+    n = 24
+    proc = _launcher(job, PROBE, "sleep", str(tmp_path), n=n)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_children(proc.pid)) < 2:  # the watchdog and a first rank
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - t0 < 8
+    m = re.search(r"received SIGINT; stopping the job \((\d+) running rank\(s\); their output is in "
+                  r"(\S+)\)\n", err)
+    assert m, err
+    assert int(m.group(1)) < n, err  # it did not wait for the other spawns
+    assert len(os.listdir(m.group(2))) < n  # one log per rank started
+    assert err.count("\n") == 1, err  # one line: no rank's KeyboardInterrupt traceback
+    assert "Traceback" not in out
+    _assert_job_gone(job)
+
+
+def test_sigkilled_launcher_takes_its_ranks_segments_and_ports_along(tmp_path):
+    job = "jsigkill" + str(os.getpid())
+    port = free_port()
+    proc = _launcher(job, "--coordinator", f"127.0.0.1:{port}", PROBE, "hold", str(tmp_path), n=3)
+    try:
+        ready, deadline = 0, time.monotonic() + 60
+        while ready < 3:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, proc.stderr.read()
+            ready += line.endswith("ready\n")
+        assert _listening(port)
+        assert len([n for n in os.listdir("/dev/shm") if n.startswith(f"jaxodc_{job}_")]) == 3
+        assert len(_job_processes(job)) == 3 * 2 + 1  # ranks, their children, the watchdog
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_job_gone(job, port)
+
+
+PARENT = """
+import os, subprocess, sys, time
+from jaxodc.launch import launcher
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                         preexec_fn=launcher._child_setup(launcher._prctl(), os.getpid()))
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_dies_with_its_parent_by_the_parent_death_signal():
+    """The parent-death signal alone (no watchdog): the child of a SIGKILLed parent dies."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        _assert_all_gone([child])
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_absurd_rank_counts_are_refused_with_the_reason(tmp_path, monkeypatch):
+    p, elapsed = launch("-n", "100000", PROBE, "sleep", str(tmp_path))
+    assert p.returncode == 2
+    cores = len(os.sched_getaffinity(0))
+    assert f"-n 100000: more ranks than this machine can run: {cores} core(s)" in p.stderr
+    assert not list(tmp_path.glob("*.pid")) and not os.listdir(tmp_path / "launcher_tmp")  # nothing started
+    from jaxodc.launch import launcher
+    monkeypatch.setattr(launcher, "_mem_available", lambda: 1 << 30)
+    assert launcher.capacity_error(1) is None
+    assert launcher.capacity_error(5) == ("-n 5: the ranks need at least 1.2 GiB (256 MiB each) but only 1.0 GiB of "
+                                          "memory is available; at most 4 ranks fit. Use fewer ranks or more hosts")
+
+
+def test_progress_updates_are_forwarded_before_the_newline(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "jaxodc", "launch", "-n", "1", PROBE, "progress",
+                             str(tmp_path)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        got, t_first = b"", None
+        while not got.endswith(b"finished\n"):
+            c = proc.stdout.read1(4096)
+            if not c:
+                break
+            if t_first is None and b"step 0" in got + c:
+                t_first = time.monotonic()
+            got += c
+        t_end = time.monotonic()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert got == b"[rank 0] plain line\n\r[rank 0] step 0\r[rank 0] step 1\r[rank 0] step 2\n[rank 0] finished\n"
+    assert t_end - t_first > 1.5  # the first update arrived while the rank still ran, not at its newline
 
 
 # -- environment parsing and SLURM ----------------------------------------------------------------
@@ -237,6 +453,24 @@ def test_settings_from_slurm_and_launcher_env():
     with pytest.raises(ValueError, match="missing JAXODC_COORDINATOR"):
         settings_from_env({"JAXODC_RANK": "0", "JAXODC_WORLD_SIZE": "1", "JAXODC_JOB_ID": "a"})
     assert settings_from_env({}).source == "single"
+
+
+def test_slurm_job_secret_from_its_environment(tmp_path, monkeypatch):
+    """Under SLURM the job's environment carries the secret (a file every node reads); without
+    one rank 0 refuses to open the rendezvous to the network, saying what to do."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "9",
+             "SLURM_STEP_NODELIST": "node-x[1-2]", "JAXODC_PORT": str(free_port())}
+    secret = tmp_path / "job.secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    assert settings_from_env({**slurm, "JAXODC_SECRET_FILE": str(secret)}).secret == b"0123456789abcdef" * 2
+    for k in list(os.environ):
+        if k.startswith(("JAXODC_", "SLURM_")):
+            monkeypatch.delenv(k)
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match=r"rank 0 could not start the rendezvous server at node-x1:\d+: "
+                                           r"rendezvous server: refusing to listen on 0.0.0.0 without a secret"):
+        dist.init_from_env(timeout_s=2)
 
 
 _SLURM_RANK = """
@@ -295,14 +529,29 @@ def _psum_body(ctx, n):
     summed, gathered = f(arr)
     (s,) = [np.asarray(x.data) for x in summed.addressable_shards]
     (g,) = [np.asarray(x.data) for x in gathered.addressable_shards]
-    return local, s, g
+    binds = _listen_addresses(int(ctx.jax_coordinator.rsplit(":", 1)[1])) if ctx.rank == 0 else None
+    return local, s, g, binds
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* shows them) listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    out.add(local.rsplit(":", 1)[0])
+    return out
 
 
 def test_jax_distributed_gloo_psum_two_processes():
     n = 37
     res = run_ranks(_psum_body, 2, args=(n,), timeout_s=90)
     locals_ = [r[0] for r in res]
-    for rank, (local, s, g) in enumerate(res):
+    # jax's coordinator listens on loopback only (127.0.0.1), not on every interface
+    assert res[0][3] and res[0][3] <= {"0100007F", "0000000000000000FFFF00000100007F"}, res[0][3]  # or ::ffff:
+    for rank, (local, s, g, _) in enumerate(res):
         assert np.array_equal(local, np.random.default_rng(rank).standard_normal(n)
                               .astype(np.float32))
         np.testing.assert_allclose(s, locals_[0] + locals_[1], rtol=1e-6, atol=1e-6)

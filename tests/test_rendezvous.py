@@ -1,6 +1,7 @@
 """Rendezvous server/client: key-value, blocking get, allgather/barrier with name reuse, timeouts,
 garbage on the wire, and the same across real processes via the harness."""
 import logging
+import os
 import socket
 import struct
 import threading
@@ -11,7 +12,8 @@ import pytest
 
 from harness import run_ranks
 from jaxodc.launch.context import free_port
-from jaxodc.launch.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from jaxodc import auth
+from jaxodc.launch.rendezvous import MAX_FRAME, RendezvousClient, RendezvousError, RendezvousServer
 
 
 @pytest.fixture
@@ -121,11 +123,15 @@ def test_mismatched_world_is_an_error(server):
         b.close()
 
 
-def _send_raw(address, data: bytes) -> bytes:
-    """Send raw bytes, return whatever comes back before the server closes the connection."""
+def _send_raw(address, data: bytes, secret: bytes | None = None, job_id: str = "",
+              rank: int = 0) -> bytes:
+    """Send raw bytes (after the handshake as `rank` when a secret is given), return whatever
+    comes back before the server closes the connection."""
     host, port = address.rsplit(":", 1)
     chunks = []
     with socket.create_connection((host, int(port)), timeout=5) as s:
+        if secret is not None:
+            auth.client_handshake(s, secret, "rendezvous", job_id, rank)
         try:
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)
@@ -143,28 +149,125 @@ def _frame(obj_bytes: bytes) -> bytes:
     return struct.pack(">I", len(obj_bytes)) + obj_bytes
 
 
-def test_garbage_closes_connection_not_server(server, caplog):
+GARBAGE = [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # length prefix decodes to ~1.2 GB
+    _frame(b"\xc1\xc1\xc1"),  # 0xc1 is never valid msgpack
+    _frame(msgpack.packb([1, 2, 3])),  # not a map
+    _frame(msgpack.packb({"op": "explode"})),  # unknown op
+    _frame(msgpack.packb({"op": "set", "key": 5, "value": "text"})),  # wrong types
+    _frame(msgpack.packb({"op": "get"})),  # missing fields
+    _frame(msgpack.packb({"op": "hello", "rank": 1})),  # authenticated as rank 0
+    struct.pack(">I", 100) + b"short",  # truncated frame
+]
+
+
+def test_garbage_closes_connection_not_server(caplog):
     caplog.set_level(logging.WARNING, logger="jaxodc.launch.rendezvous")
-    with RendezvousClient(server.address, 0, timeout_s=5) as keep:
+    with RendezvousServer(secret=SECRET, job_id="jg", world=2) as server, \
+            RendezvousClient(server.address, 0, timeout_s=5, secret=SECRET, job_id="jg") as keep:
         keep.set("before", b"1")
-        garbage = [
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # length prefix decodes to ~1.2 GB
-            _frame(b"\xc1\xc1\xc1"),  # 0xc1 is never valid msgpack
-            _frame(msgpack.packb([1, 2, 3])),  # not a map
-            _frame(msgpack.packb({"op": "explode"})),  # unknown op
-            _frame(msgpack.packb({"op": "set", "key": 5, "value": "text"})),  # wrong types
-            _frame(msgpack.packb({"op": "get"})),  # missing fields
-            struct.pack(">I", 100) + b"short",  # truncated frame
-        ]
-        for g in garbage:
-            assert _send_raw(server.address, g) == b""  # closed without a reply
-        assert len([r for r in caplog.records if "closing connection" in r.getMessage()]) == len(
-            garbage)
+        for g in GARBAGE:
+            # without the handshake: the challenge comes back, nothing else
+            got = _send_raw(server.address, g)
+            assert len(got) == 36 and got[:4] == b"JXA2", got
+            # authenticated rank 0 sending garbage: closed without a reply
+            assert _send_raw(server.address, g, SECRET, "jg", 0) == b""
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len([m for m in msgs if "closing connection" in m]) == len(GARBAGE), msgs
+        assert len([m for m in msgs if "refused" in m]) == len(GARBAGE), msgs
+        assert server.refused == 2 * len(GARBAGE)
         # The server and the existing connection still work.
         assert keep.get("before") == b"1"
-        with RendezvousClient(server.address, 1, timeout_s=5) as fresh:
+        with RendezvousClient(server.address, 1, timeout_s=5, secret=SECRET, job_id="jg") as fresh:
             fresh.set("after", b"2")
             assert keep.get("after") == b"2"
+
+
+SECRET = b"rendezvous test secret"
+
+
+@pytest.mark.parametrize("secret,job,rank,why", [
+    (b"wrong", "jw", 0, "wrong secret for claimed rank 0"),
+    (b"", "jw", 0, "wrong secret for claimed rank 0"),
+    (SECRET, "other_job", 1, "wrong secret for claimed rank 1"),
+    (SECRET, "jw", 2, "claimed rank 2 outside a world of 2"),
+])
+def test_wrong_secret_job_or_rank_is_refused(caplog, secret, job, rank, why):
+    caplog.set_level(logging.WARNING, logger="jaxodc.launch.rendezvous")
+    with RendezvousServer(secret=SECRET, job_id="jw", world=2) as server:
+        with pytest.raises(RendezvousError, match=rf"rank {rank} at {server.address}: refused by the "
+                                                  r"server .*JAXODC_JOB_SECRET"):
+            RendezvousClient(server.address, rank, timeout_s=3, secret=secret, job_id=job)
+        deadline = time.monotonic() + 5
+        while not server.refused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.refused == 1
+        assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        with RendezvousClient(server.address, 1, timeout_s=3, secret=SECRET, job_id="jw") as ok:
+            ok.set("k", b"v")
+            assert ok.get("k") == b"v"
+
+
+def test_empty_secret_refused_off_loopback():
+    with pytest.raises(auth.AuthError, match="refusing to listen on 0.0.0.0 without a secret"):
+        RendezvousServer("0.0.0.0", 0)
+    RendezvousServer("0.0.0.0", 0, secret=SECRET).close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_announced_frames_allocate_nothing_and_oversized_ones_are_dropped():
+    """Four authenticated connections announce frames just under the limit and send nothing: the
+    server's memory does not grow by what they announce (4 x 64 MiB); one announcing more than
+    the limit is dropped at once."""
+    with RendezvousServer(secret=SECRET, job_id="jf", world=4) as server:
+        host, port = server.address.rsplit(":", 1)
+        socks = []
+        try:
+            before = _rss()
+            for r in range(4):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                auth.client_handshake(s, SECRET, "rendezvous", "jf", r)
+                s.sendall(struct.pack(">I", MAX_FRAME) + b"\x81")  # announced, one byte sent
+                socks.append(s)
+            time.sleep(0.5)  # the server threads sit in their reads
+            assert server.num_connections == 4
+            assert _rss() - before < 32 << 20, (before, _rss())
+            assert _send_raw(server.address, struct.pack(">I", MAX_FRAME + 1), SECRET, "jf", 0) == b""
+            assert server.refused == 1
+        finally:
+            for s in socks:
+                s.close()
+
+
+def test_connection_limit_and_close_wakes_idle_readers():
+    with RendezvousServer(secret=SECRET, job_id="jl", world=2, max_connections=3) as server:
+        host, port = server.address.rsplit(":", 1)
+        idle = []
+        try:
+            held = socket.create_connection((host, int(port)), timeout=5)  # stuck in the handshake
+            idle.append(held)
+            for r in range(2):  # authenticated, then silent
+                s = socket.create_connection((host, int(port)), timeout=5)
+                auth.client_handshake(s, SECRET, "rendezvous", "jl", r)
+                idle.append(s)
+            deadline = time.monotonic() + 5
+            while server.num_connections < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.num_connections == 3
+            with pytest.raises(RendezvousError):  # a fourth is closed on accept
+                RendezvousClient(server.address, 0, timeout_s=2, secret=SECRET, job_id="jl")
+            assert server.refused == 1
+            t0 = time.monotonic()
+            server.close()
+            assert server.wait_for_disconnects(2.0)  # every blocked read woke
+            assert time.monotonic() - t0 < 2
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_client_retries_until_server_starts():

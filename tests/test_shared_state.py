@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxodc import auth
 from jaxodc.comm import shared_state as ss
 from jaxodc.comm.hashing import hash_array
 from jaxodc.coord import protocol as P
@@ -27,33 +28,47 @@ def test_combined_hash_is_order_independent_and_content_sensitive():
 
 def test_key_server_serves_published_arrays_only_to_authenticated_peers(caplog):
     caplog.set_level(logging.WARNING)
-    srv = ss.SharedStateServer("127.0.0.1", SECRET)
+    srv = ss.SharedStateServer("127.0.0.1", SECRET, job_id="group7")
+    fetch = lambda keys, secret=SECRET, job="group7": ss.fetch_keys(srv.address, secret, 1, keys, 5.0, job, 3)  # noqa: E731
     try:
         state = {"f": np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32),
                  "b": np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16),
                  "i": np.arange(7, dtype=np.int64), "e": np.zeros((0, 3), np.float64)}
         with pytest.raises(ConnectionError, match="no shared state published"):
-            ss.fetch_keys(srv.address, SECRET, 1, ["f"], 5.0)
+            fetch(["f"])
         srv.publish(1, state)
-        got, n = ss.fetch_keys(srv.address, SECRET, 1, ["f", "b", "i", "e"], 5.0)
+        got, n = fetch(["f", "b", "i", "e"])
         assert n == sum(a.nbytes for a in state.values())
         for k, a in state.items():
             assert got[k].dtype == a.dtype and got[k].shape == a.shape
             assert got[k].tobytes() == a.tobytes()
         with pytest.raises(ConnectionError, match="keys not held here"):
-            ss.fetch_keys(srv.address, SECRET, 1, ["nope"], 5.0)
-        with pytest.raises(P.AuthError):
-            ss.fetch_keys(srv.address, b"wrong", 1, ["f"], 5.0)
+            fetch(["nope"])
+        for secret, job in ((b"wrong", "group7"), (b"", "group7"), (SECRET, "group8")):
+            with pytest.raises(auth.AuthError, match="refused by the server"):
+                fetch(["f"], secret, job)
         host, port = P.parse_address(srv.address)
         with socket.create_connection((host, port), timeout=5) as s:   # garbage instead of auth
-            P.recv_frame(s)
-            s.sendall(b"\xff" * 64)
+            assert P.recv_exact(s, 36)[:4] == auth.MAGIC
+            s.sendall(b"\xff" * 68)
+            assert s.recv(1) == b""
+        with socket.create_connection((host, port), timeout=5) as s:   # authenticated, oversized frame
+            auth.client_handshake(s, SECRET, "shared_state", "group7", 3)
+            s.sendall(P.HEADER.pack(P.MAX_FRAME + 1))
+            assert s.recv(1) == b""
+        assert srv.refused == 5
         assert srv.retract() == n
-        got, _ = ss.fetch_keys(srv.address, SECRET, 1, [], 5.0)  # still alive after the garbage
+        got, _ = fetch([])  # still alive after the garbage
         assert got == {}
     finally:
         srv.close()
-    assert "refused" in caplog.text and "wrong shared secret" in caplog.text
+    assert "wrong secret for claimed rank 3" in caplog.text
+    assert f"exceeds the limit of {P.MAX_FRAME} bytes" in caplog.text
+
+
+def test_key_server_needs_a_secret_off_loopback():
+    with pytest.raises(auth.AuthError, match="shared-state server: refusing to listen on 0.0.0.0"):
+        ss.SharedStateServer("0.0.0.0", b"")
 
 
 @pytest.fixture

@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxodc: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except KeyboardInterrupt:  # ^C before a command installed its own handling: one line
+        print(f"jaxodc {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -85,10 +85,10 @@ def outer_steps(args) -> int:
 
 
 def _read_secret(path: str | None) -> bytes:
-    if not path:
-        return b""
-    with open(path, "rb") as f:
-        return f.read().strip()  # as `jaxodc master --secret-file` reads it
+    """As `jaxodc master --secret-file` reads it (an empty file is refused). Not the launcher's job
+    secret: each site's launcher makes its own, and the service is shared by every site."""
+    from jaxodc import auth
+    return auth.read_secret_file(path) if path else b""
 
 
 # --------------------------------------------------------------------------- rank side

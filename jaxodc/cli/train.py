@@ -181,13 +181,44 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise OSError(f"{flag}: the directory {path} is not writable")
 
 
-def load_samples(args, world: int):
-    """The run's samples (data.Samples); raises ValueError for unusable input."""
+def check_paths(args) -> None:
+    """Every path argument, before anything trains: raises ValueError / OSError naming the flag,
+    the path and what to do."""
+    for flag in ("data", "lengths"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise ValueError(f"--{flag} {path} {what}; give the file to read")
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"--{flag} {path} is not readable")
+    ck = args.checkpoint
+    if ck and os.path.exists(ck) and not os.path.isdir(ck):
+        raise ValueError(f"--checkpoint {ck} is a file; give a directory (it is created if missing)")
+    if args.resume and ck and not os.path.isdir(ck):
+        raise ValueError(f"--resume: the checkpoint directory {ck} does not exist; check the path, or drop "
+                         "--resume to train from scratch")
+    if ck:
+        check_writable_dir(ck, "--checkpoint")
+    for flag in ("json", "timeline", "export"):
+        if getattr(args, flag):
+            path = getattr(args, flag)
+            if os.path.isdir(path):
+                raise ValueError(f"--{flag} {path} is a directory; give a file name")
+            check_writable_dir(os.path.dirname(os.path.abspath(path)), f"--{flag}")
+
+
+def load_samples(args, world: int, report: bool = False):
+    """The run's samples (data.Samples); raises ValueError for unusable input. `report`: say how
+    many --data records were cut to --max-tokens."""
     from jaxodc.data import Samples, load_digits, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
     if args.model in IMAGE_MODELS:
         samples = load_digits()
     elif args.data:
-        samples = Samples(load_jsonl(args.data, max_len=args.max_tokens))
+        counts = {}
+        samples = Samples(load_jsonl(args.data, max_len=args.max_tokens, counts=counts))
+        if report and counts["truncated"]:
+            print(f"jaxodc train: --data {args.data}: {counts['truncated']} of {counts['records']} records are "
+                  f"longer than --max-tokens {args.max_tokens} and were cut to it", file=sys.stderr, flush=True)
     elif args.lengths:
         lengths = load_lengths(args.lengths)
         long = [(i, int(x)) for i, x in enumerate(lengths) if x > args.max_tokens]
@@ -289,7 +320,7 @@ def worker(args) -> dict | None:
     try:
         if any(c == "collective" for c, _ in runs):
             init_jax_distributed(ctx)  # before jax creates its backends
-        samples = load_samples(args, ctx.world)
+        samples = load_samples(args, ctx.world, report=ctx.rank == 0 and not args.worker)
         out = {run_name(*run): [asdict(r) for r in _train_run(args, ctx, samples, run, len(runs))] for run in runs}
     except BaseException:
         ctx.rendezvous.close()  # no final barrier: the other ranks may be stuck
@@ -404,14 +435,16 @@ def main(argv: list[str]) -> int:
     try:
         check_args(args)
         runs_of(args)
+        check_paths(args)
         if not launched:
-            load_samples(args, args.ranks)  # bad input fails here, before any rank starts
+            from jaxodc.launch.launcher import capacity_error
+            if capacity_error(args.ranks, "--ranks"):
+                raise ValueError(capacity_error(args.ranks, "--ranks"))
+            load_samples(args, args.ranks, report=True)  # bad input fails here, before any rank starts
             from jaxodc.train.straggle import parse_straggle
             straggle = parse_straggle(args.straggle)
             if straggle is not None:
                 straggle.check_world(args.ranks)
-        if args.export:
-            check_writable_dir(os.path.dirname(os.path.abspath(args.export)), "--export")
         from jaxodc.cli import sites
         sites.check(args)
     except (ValueError, OSError) as e:
@@ -420,8 +453,7 @@ def main(argv: list[str]) -> int:
     if sites.enabled(args):
         return _main_sites(args, launched)
     if args.worker:
-        worker(args)
-        return 0
+        return _as_rank(worker, args)[0]
     tmp = None
     if not args.json:
         fd, tmp = tempfile.mkstemp(prefix="jaxodc_train_", suffix=".json")
@@ -432,16 +464,54 @@ def main(argv: list[str]) -> int:
             setattr(args, k, os.path.abspath(getattr(args, k)))
     try:
         if launched:  # this process is one rank of a job someone else started
-            if worker(args) is None:
-                return 0
+            status, out = _as_rank(worker, args)
+            if status or out is None:  # failed, or not rank 0
+                return status
         else:
-            from jaxodc.launch.launcher import launch_ranks
-            launch_ranks(args.ranks, "jaxodc.cli.train", worker_argv(args), timeout_s=args.timeout)
+            from jaxodc.launch.launcher import RanksFailed, launch_ranks
+            try:
+                launch_ranks(args.ranks, "jaxodc.cli.train", worker_argv(args), timeout_s=args.timeout)
+            except RanksFailed as e:  # the launcher has said which rank failed and why
+                return e.status
         report(args.json, args.timeline, None if tmp else args.json)
     finally:
         if tmp:
             os.unlink(tmp)
     return 0
+
+
+def _as_rank(fn, args) -> tuple[int, object]:
+    """Run this rank's part; a failure becomes one line naming the rank, the error (whose message
+    names the file or peer) and what to do, with the traceback in a log file the line names."""
+    import traceback
+    rank = os.environ.get("JAXODC_RANK") or os.environ.get("SLURM_PROCID") or "0"
+    try:
+        return 0, fn(args)
+    except Exception as e:  # noqa: BLE001 - reported in one line, in full in the log
+        from jaxodc.launch.launcher import LOG_DIR_ENV
+        log_dir = os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir()
+        path = os.path.join(log_dir, f"jaxodc_train_rank{rank}_{os.getpid()}.traceback")
+        try:
+            with open(path, "w") as f:
+                f.write(traceback.format_exc())
+            where = f"traceback in {path}"
+        except OSError as werr:
+            where = f"traceback not saved: {werr}"
+        print(f"jaxodc train: rank {rank}: {type(e).__name__}: {e} -- {_advice(e)} ({where})",
+              file=sys.stderr, flush=True)
+        return 1, None
+
+
+def _advice(e: Exception) -> str:
+    """What a person can do about a rank's error."""
+    from jaxodc.train.checkpoint import CheckpointError
+    if isinstance(e, CheckpointError):
+        return "restore the checkpoint, or train without --resume / with another --checkpoint"
+    if isinstance(e, ConnectionError) or type(e).__name__ in ("PeerError", "OdcTimeoutError", "CommError"):
+        return "another rank failed or is unreachable: look at its line"
+    if isinstance(e, (OSError, ValueError)):
+        return "fix the input or path named above and run again"
+    return "this looks like a bug in jaxodc: report it with the traceback"
 
 
 def _main_sites(args, launched: bool) -> int:

@@ -191,7 +191,8 @@ class Communicator:
         from jaxodc.comm.ring import RingEndpoint
         self.ep = RingEndpoint(host=self.host, port=0, pool_size=self.pool_size, secret=self.secret,
                                timeout_s=self.ring_timeout_s)
-        self.ss_server = ss.SharedStateServer(self.host, self.secret, timeout_s=self.timeout_s)
+        self.ss_server = ss.SharedStateServer(self.host, self.secret, timeout_s=self.timeout_s,
+                                              job_id=ss.job_of(self.peer_group))
         host, port = P.parse_address(self.address)
         try:
             sock = socket.create_connection((host, port), timeout=self.timeout_s)
@@ -565,7 +566,8 @@ class Communicator:
                 by_src.setdefault(srcs[0], []).append(k)
             for src, keys in by_src.items():
                 try:
-                    got, n = ss.fetch_keys(src, self.secret, op_id, keys, self.timeout_s)
+                    got, n = ss.fetch_keys(src, self.secret, op_id, keys, self.timeout_s,
+                                           ss.job_of(self.peer_group), self.peer_id)
                 except (OSError, ConnectionError, P.ProtocolError) as e:
                     log.info("%s: fetching %d keys from %s failed (%s); trying another holder",
                              self._who(), len(keys), src, e)

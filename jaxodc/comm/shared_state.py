@@ -1,8 +1,10 @@
 """Shared state: per-key hashes, the sync result record, and the peer-to-peer key server.
 
 Outdated peers fetch only the keys whose hash differs from the popular one, directly from a peer
-that holds them (this server), never through the coordination service. The server authenticates
-clients with the same challenge-response as the service and serves only while a sync is open.
+that holds them (this server), never through the coordination service. Every connection starts
+with the job's challenge-response (`jaxodc.auth`, listener ``"shared_state"``, the group as job id,
+the fetcher's peer id as rank); request frames are bounded by `protocol.MAX_FRAME`, connections by
+``max_connections``, and the server serves only while a sync is open.
 """
 from __future__ import annotations
 
@@ -14,12 +16,20 @@ import threading
 
 import numpy as np
 
+from jaxodc import auth
 from jaxodc.coord import protocol as P
 from jaxodc.coord.protocol import Msg
 
 log = logging.getLogger("jaxodc.comm.shared_state")
 
 STRATEGIES = tuple(s.value for s in P.Strategy)
+LISTENER = "shared_state"
+MAX_PEER_ID = 1 << 20  # peer ids a server admits (the service numbers peers from 0 as they join)
+
+
+def job_of(group: int) -> str:
+    """The job id a group's shared-state connections authenticate under."""
+    return f"group{int(group)}"
 
 
 @dataclasses.dataclass
@@ -71,8 +81,13 @@ def combined_hash(hashes: dict[str, int]) -> int:
 class SharedStateServer:
     """Threaded TCP server that hands out arrays of the state published for the open sync."""
 
-    def __init__(self, host: str, secret: bytes, timeout_s: float = 30.0):
+    def __init__(self, host: str, secret: bytes, timeout_s: float = 30.0, job_id: str = "",
+                 max_connections: int = 256):
+        auth.require_secret_for_bind(secret, host, "shared-state server")
         self.secret = secret
+        self.job_id = job_id
+        self.max_connections = max_connections
+        self.refused = 0  # connections dropped: failed handshake, over the limit, broken frames
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._state: dict[str, np.ndarray] | None = None
@@ -124,13 +139,31 @@ class SharedStateServer:
                 return
             conn.settimeout(self.timeout_s)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self._conns.add(conn)
+            if full:
+                log.warning("shared-state server %s: refused %s: already %d connections", self.address, addr,
+                            self.max_connections)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
                              name="jaxodc-ss-conn").start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
-            P.server_handshake(conn, self.secret)
+            try:
+                peer = auth.server_handshake(conn, self.secret, LISTENER, self.job_id, MAX_PEER_ID,
+                                             timeout_s=min(10.0, self.timeout_s),
+                                             what=f"shared-state server {self.address}")
+            except auth.AuthError as e:
+                with self._lock:
+                    self.refused += 1
+                log.warning("shared-state server %s: refused %s: %s", self.address, addr, e)
+                return
+            addr = f"peer {peer} ({addr[0]}:{addr[1]})"
             while not self._closed.is_set():
                 req = P.recv_frame(conn)
                 if req.get("t") != Msg.GET or not isinstance(req.get("keys"), list):
@@ -139,7 +172,9 @@ class SharedStateServer:
                     continue
                 self._send_keys(conn, req)
         except P.ProtocolError as e:
-            log.warning("shared-state server %s: refused %s: %s", self.address, addr, e)
+            with self._lock:
+                self.refused += 1
+            log.warning("shared-state server %s: dropped %s: %s", self.address, addr, e)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -169,12 +204,15 @@ class SharedStateServer:
                 self.bytes_sent += a.nbytes
 
 
-def fetch_keys(address: str, secret: bytes, sync_id, keys: list[str], timeout_s: float) -> tuple[dict, int]:
-    """Fetch arrays from a peer's SharedStateServer; returns ({key: array}, bytes received)."""
+def fetch_keys(address: str, secret: bytes, sync_id, keys: list[str], timeout_s: float, job_id: str = "",
+               peer_id: int = 0) -> tuple[dict, int]:
+    """Fetch arrays from a peer's SharedStateServer, authenticating as `peer_id` of `job_id`;
+    returns ({key: array}, bytes received)."""
     host, port = P.parse_address(address)
     out, nbytes = {}, 0
     with socket.create_connection((host, port), timeout=timeout_s) as s:
-        P.client_handshake(s, secret, {})
+        auth.client_handshake(s, secret, LISTENER, job_id, peer_id, timeout_s=timeout_s,
+                              what=f"shared-state fetch from {address}")
         P.send_frame(s, {"t": Msg.GET, "sync": sync_id, "keys": list(keys)})
         for k in keys:
             head = P.recv_frame(s)

@@ -1,7 +1,9 @@
 """Wire format of the coordination service, its peers, the shared-state server and the launch
 rendezvous: a 4-byte big-endian length, then a msgpack map. Coordination frames carry their type
-`Msg` in the field ``"t"``; both ends authenticate by HMAC-SHA256 challenge-response over fresh
-nonces, so the shared secret never travels. docs/coord.md describes the exchanges.
+`Msg` in the field ``"t"``; both ends of a coordination connection authenticate by HMAC-SHA256
+challenge-response over fresh nonces and every field the client claims (its group and addresses)
+and the server assigns (the peer id), so the shared secret never travels and no claim can be
+swapped under a valid answer. docs/coord.md describes the exchanges.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ HEADER = struct.Struct(">I")
 # Control frames are small; shared-state payloads travel as raw bytes after a header frame, so
 # a frame above this is a broken or hostile peer.
 MAX_FRAME = 1 << 20
-PROTOCOL_VERSION = 1
+AUTH_FRAME_MAX = 4096  # an auth frame: two nonces, a mac and a few short claims
+PROTOCOL_VERSION = 2  # 2: the MACs cover the claimed and assigned fields
 NONCE_BYTES = 32
 
 
@@ -184,6 +187,21 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
     return buf if into is not None else bytes(buf)
 
 
+# A body above this is read into memory that grows with the bytes received, not allocated from the
+# announced length: a peer announcing a large frame and sending nothing costs nothing.
+_GROW_CHUNK = 1 << 20
+
+
+def _recv_growing(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(_GROW_CHUNK, n - len(buf)))
+        if not chunk:
+            raise ConnectionClosed(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
 def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME, typed: bool = True) -> dict:
     """Receive and decode one frame.
 
@@ -199,7 +217,7 @@ def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME, typed: bool = Tr
     (n,) = HEADER.unpack(recv_exact(sock, HEADER.size))
     check_length(n, max_frame)
     try:
-        body = recv_exact(sock, n)
+        body = recv_exact(sock, n) if n <= _GROW_CHUNK else _recv_growing(sock, n)
     except ConnectionClosed as e:
         raise ProtocolError(f"connection closed inside a {n}-byte frame ({e})") from None
     return decode(body, typed)
@@ -212,9 +230,15 @@ def send_frame(sock: socket.socket, obj: dict) -> None:
 
 # --- authentication ----------------------------------------------------------------------------
 
-def _mac(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(secret, b"jaxodc-auth-v1|" + role + b"|" + server_nonce + b"|" + client_nonce,
-                    hashlib.sha256).digest()
+_UNBOUND = ("t", "nonce", "mac")  # the handshake's own fields; every other one is bound
+
+
+def _mac(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes, frame: dict) -> bytes:
+    """HMAC over both nonces and the frame's claims (its fields but `_UNBOUND`, sorted by name)."""
+    claims = msgpack.packb(sorted(((k, v) for k, v in frame.items() if k not in _UNBOUND),
+                                  key=lambda kv: str(kv[0])), use_bin_type=True)
+    return hmac.new(secret, b"jaxodc-coord-v2|" + role + b"|" + server_nonce + b"|" + client_nonce
+                    + b"|" + claims, hashlib.sha256).digest()
 
 
 def challenge() -> dict:
@@ -236,7 +260,7 @@ def answer(secret: bytes, chal: dict, hello: dict) -> tuple[dict, bytes]:
         raise AuthError(f"protocol version {chal.get('v')!r} != {PROTOCOL_VERSION}")
     cn = os.urandom(NONCE_BYTES)
     frame = dict(hello)
-    frame.update(t=Msg.AUTH, nonce=cn, mac=_mac(secret, b"client", chal["nonce"], cn))
+    frame.update(t=Msg.AUTH, nonce=cn, mac=_mac(secret, b"client", chal["nonce"], cn, hello))
     return frame, cn
 
 
@@ -250,10 +274,12 @@ def verify_answer(secret: bytes, chal: dict, frame: dict) -> bytes:
     """
     if frame.get("t") != Msg.AUTH:
         raise AuthError(f"expected an auth frame, got type {frame.get('t')!r}")
+    if not all(isinstance(k, str) for k in frame):
+        raise AuthError("auth frame has a field name that is not a string")
     cn, mac = frame.get("nonce"), frame.get("mac")
     if not isinstance(cn, bytes) or len(cn) != NONCE_BYTES or not isinstance(mac, bytes):
         raise AuthError("auth frame lacks a nonce or mac")
-    if not hmac.compare_digest(mac, _mac(secret, b"client", chal["nonce"], cn)):
+    if not hmac.compare_digest(mac, _mac(secret, b"client", chal["nonce"], cn, frame)):
         raise AuthError("wrong shared secret (HMAC mismatch)")
     return cn
 
@@ -261,7 +287,7 @@ def verify_answer(secret: bytes, chal: dict, frame: dict) -> bytes:
 def welcome(secret: bytes, chal: dict, client_nonce: bytes, extra: dict) -> dict:
     """Server side: the welcome frame proving the server knows the secret, with ``extra`` fields."""
     frame = dict(extra)
-    frame.update(t=Msg.WELCOME, mac=_mac(secret, b"server", chal["nonce"], client_nonce))
+    frame.update(t=Msg.WELCOME, mac=_mac(secret, b"server", chal["nonce"], client_nonce, extra))
     return frame
 
 
@@ -280,7 +306,7 @@ def verify_welcome(secret: bytes, chal: dict, client_nonce: bytes, frame: dict) 
         raise AuthError(f"server refused: {frame.get('reason')}")
     if frame.get("t") != Msg.WELCOME or not isinstance(frame.get("mac"), bytes):
         raise AuthError(f"expected a welcome frame, got type {frame.get('t')!r}")
-    if not hmac.compare_digest(frame["mac"], _mac(secret, b"server", chal["nonce"], client_nonce)):
+    if not hmac.compare_digest(frame["mac"], _mac(secret, b"server", chal["nonce"], client_nonce, frame)):
         raise AuthError("server failed to prove the shared secret (HMAC mismatch)")
 
 

@@ -9,9 +9,11 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import sys
 import threading
 import time
 
+from jaxodc import auth
 from jaxodc.coord import topology
 from jaxodc.coord import protocol as P
 from jaxodc.coord.state import CoordState, SolveRing
@@ -34,17 +36,23 @@ class CoordinatorService:
 
     Args:
         host, port: where to listen (port 0 picks a free one; see ``address``).
-        secret: shared secret peers must prove (HMAC challenge-response).
+        secret: shared secret peers must prove (HMAC challenge-response); empty only on loopback.
         heartbeat_timeout_s: silence after which a peer counts as failed.
         auth_timeout_s: time a new connection has to authenticate.
         measure_bytes: default bytes per bandwidth probe of optimize_topology.
         tsp_time_limit_s: time limit of the heuristic ring solver.
+        max_connections: connections held at once (authenticating or registered); more are closed
+            on accept.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, secret: bytes = b"",
                  heartbeat_timeout_s: float = 10.0, auth_timeout_s: float = 5.0,
-                 measure_bytes: int = 1 << 20, tsp_time_limit_s: float = 1.0):
+                 measure_bytes: int = 1 << 20, tsp_time_limit_s: float = 1.0,
+                 max_connections: int = 1024):
+        auth.require_secret_for_bind(secret, host, "coordination service")
         self.host, self.port = host, port
+        self.max_connections = max_connections
+        self._writers: set[asyncio.StreamWriter] = set()  # every open connection, authenticated or not
         self.secret = secret
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.auth_timeout_s = auth_timeout_s
@@ -74,8 +82,8 @@ class CoordinatorService:
         """Stop listening and close every peer connection."""
         self._monitor.cancel()
         self._server.close()
-        for conn in list(self._conns.values()):
-            conn.writer.close()
+        for writer in list(self._writers):  # wakes reads still inside the handshake too
+            writer.close()
         await self._server.wait_closed()
 
     def start(self) -> "CoordinatorService":
@@ -164,13 +172,25 @@ class CoordinatorService:
     async def _authenticate(self, reader, writer) -> tuple[dict, dict, bytes]:
         chal = P.challenge()
         writer.write(P.pack(chal))
-        hello = P.decode(await P.read_body(reader))
+        hello = P.decode(await P.read_body(reader, P.AUTH_FRAME_MAX))
         cn = P.verify_answer(self.secret, chal, hello)
         P.check_fields(hello, P.HELLO_FIELDS)
         return hello, chal, cn
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = writer.get_extra_info("peername")
+        if len(self._writers) >= self.max_connections:
+            self.state.counters["auth_failures"] += 1
+            log.warning("refused connection from %s: already %d connections", remote, self.max_connections)
+            writer.close()
+            return
+        self._writers.add(writer)
+        try:
+            await self._serve(reader, writer, remote)
+        finally:
+            self._writers.discard(writer)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote) -> None:
         try:
             hello, chal, cn = await asyncio.wait_for(self._authenticate(reader, writer), self.auth_timeout_s)
         except (P.ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
@@ -245,27 +265,34 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     ap = argparse.ArgumentParser(prog="jaxodc master", description="run the coordination service standalone")
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="interface to listen on (default loopback; 0.0.0.0 for every interface, which needs a secret)")
     ap.add_argument("--port", type=int, default=48148)
-    ap.add_argument("--secret-file", help="file whose bytes are the shared secret (default: no secret)")
+    ap.add_argument("--secret-file", help=f"file whose bytes are the shared secret (default: ${auth.SECRET_ENV} or "
+                                          f"${auth.SECRET_FILE_ENV}; none only on loopback)")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a peer is dropped")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    secret = b""
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
-    svc = CoordinatorService(args.host, args.port, secret, heartbeat_timeout_s=args.heartbeat_timeout)
+    try:
+        secret = auth.read_secret_file(args.secret_file) if args.secret_file else auth.secret_from_env()
+        svc = CoordinatorService(args.host, args.port, secret, heartbeat_timeout_s=args.heartbeat_timeout)
+    except auth.AuthError as e:
+        print(f"jaxodc master: {e}", file=sys.stderr)
+        return 2
 
     async def run():
         await svc.serve_start()
-        print(f"jaxodc master listening on {svc.address}", flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc._stopped.set)
+        print(f"jaxodc master listening on {svc.address}", flush=True)  # and stoppable from here on
         await svc._stopped.wait()
         await svc.serve_stop()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except OSError as e:  # e.g. the port is taken
+        print(f"jaxodc master: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0

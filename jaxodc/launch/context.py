@@ -6,6 +6,7 @@ Variables set by `jaxodc launch` (torchrun-like)::
     JAXODC_COORDINATOR       host:port of the rendezvous server (hosted by rank 0)
     JAXODC_JAX_COORDINATOR   host:port for jax.distributed (optional; rank 0 picks one if absent)
     JAXODC_JOB_ID            unique id, [A-Za-z0-9_] only; shared-memory names start jaxodc_<id>_
+    JAXODC_JOB_SECRET        the job secret, hex (jaxodc.auth; or JAXODC_SECRET_FILE, a file holding it)
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT  (same values)
 
 Under SLURM (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_JOB_ID/SLURM_STEP_NODELIST present and
@@ -255,19 +256,21 @@ def init_from_env(timeout_s: float = 120.0) -> Context:
     s = settings_from_env()
     server = None
     coordinator = s.coordinator
+    # Each rank holds one connection (plus a reconnect in flight); more is someone else.
+    guard = dict(secret=s.secret, job_id=s.job_id, world=s.world, max_connections=2 * s.world + 8)
     if s.rank == 0:
         if coordinator:
             host, port = parse_address(coordinator, "coordinator address")
             try:
-                server = RendezvousServer(_bind_host(host), port)
+                server = RendezvousServer(_bind_host(host), port, **guard)
             except OSError as e:
                 raise RuntimeError(
                     f"rank 0 could not start the rendezvous server at {coordinator}: {e}") from None
         else:
-            server = RendezvousServer("127.0.0.1", 0)
+            server = RendezvousServer("127.0.0.1", 0, **guard)
             coordinator = server.address
     try:
-        client = RendezvousClient(coordinator, s.rank, timeout_s)
+        client = RendezvousClient(coordinator, s.rank, timeout_s, secret=s.secret, job_id=s.job_id)
     except BaseException:
         if server is not None:
             server.close()
@@ -311,7 +314,8 @@ def init_jax_distributed(ctx: Context, cpu_collectives: str = "gloo",
 
     local_device_ids "auto": all local devices on CPU; on accelerators [local_rank] when several
     ranks share a host, else all. The jax coordinator is JAXODC_JAX_COORDINATOR, or a port rank 0
-    picks and publishes through the rendezvous."""
+    picks and publishes through the rendezvous. Its service listens where the rendezvous does:
+    loopback unless the coordinator names another host (`_bind_host`)."""
     import jax
 
     timeout = ctx.timeout_s if timeout_s is None else timeout_s
@@ -325,8 +329,10 @@ def init_jax_distributed(ctx: Context, cpu_collectives: str = "gloo",
             address = ctx.rendezvous.get("jaxodc/jax_coordinator", timeout).decode()
         ctx.jax_coordinator = address
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    host, port = parse_address(address, "jax coordinator address")
     jax.distributed.initialize(
-        coordinator_address=address, num_processes=ctx.world, process_id=ctx.rank,
+        coordinator_address=address, coordinator_bind_address=f"{_bind_host(host)}:{port}",
+        num_processes=ctx.world, process_id=ctx.rank,
         local_device_ids=_local_device_ids(ctx, local_device_ids),
         initialization_timeout=max(1, int(timeout)))
     ctx.jax_initialized = True

@@ -3,38 +3,57 @@
     jaxodc launch -n N [--timeout S] [--grace S] [--[no-]tag-output] script.py args...
     jaxodc launch -n N ... -m package.module args...
     multi-host, one launcher per host:
-    jaxodc launch -n N --nnodes M --node-rank R --coordinator HOST0:PORT [--job-id ID] script.py
+    jaxodc launch -n N --nnodes M --node-rank R --coordinator HOST0:PORT --secret-file F script.py
 
 Each rank is a subprocess in its own process group, with the environment described in
-jaxodc.launch.context. Rank 0 hosts the rendezvous server at the coordinator address. When a rank exits
-non-zero or dies from a signal, the launcher stops the others (SIGTERM, SIGKILL after the grace
-period), reports the failing rank with its last output, and exits with that rank's status
-(128 + signal number for a signal). --timeout stops everything and exits 124. SIGINT/SIGTERM to the
-launcher are forwarded to every rank, which is then torn down the same way. On exit the job's
-shared-memory segments (/dev/shm/jaxodc_<job>_*) are removed.
+jaxodc.launch.context. Rank 0 hosts the rendezvous server at the coordinator address.
+
+The job secret (jaxodc.auth) reaches the ranks in the environment, never argv: a fresh random one
+per job on one host; across hosts every launcher must be given the same one (--secret-file, or
+JAXODC_JOB_SECRET / JAXODC_SECRET_FILE already in the environment, as a SLURM job sets it). Only a
+job whose coordinator is loopback may run without one.
+
+When a rank exits non-zero or dies from a signal, the launcher stops the others (SIGTERM, SIGKILL
+after the grace period), prints one line naming the failing rank, its last line of output and the
+log file holding all of it, and exits with that rank's status (128 + signal number for a signal).
+--timeout stops everything and exits 124. SIGINT/SIGTERM to the launcher, at any point of start-up
+or later, stop every rank (SIGTERM, then SIGKILL) with one line. A launcher that is itself killed
+takes its ranks along: each rank has a parent-death signal, and a watchdog process
+(jaxodc.launch.watchdog) kills the ranks' process groups and removes the job's segments. On exit
+the job's shared-memory segments (/dev/shm/jaxodc_<job>_*) are removed. -n above what this machine
+can hold (`capacity_error`) is refused with the reason.
 """
 from __future__ import annotations
 
 import argparse
-import collections
+import codecs
+import ctypes
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from jaxodc import auth
 from jaxodc.launch.context import cleanup_shm, free_port, new_job_id, sanitize_job_id
 
-__all__ = ["main", "rank_env", "TAIL_LINES", "TIMEOUT_STATUS"]
+__all__ = ["main", "rank_env", "capacity_error", "TIMEOUT_STATUS", "LOG_DIR_ENV"]
 
-TAIL_LINES = 50
 TIMEOUT_STATUS = 124
+LOG_DIR_ENV = "JAXODC_LOG_DIR"  # where a rank may write its traceback (the launcher's log folder)
+# The least memory a Python rank that imports jax takes; -n beyond MemAvailable / this is refused.
+RANK_MEMORY_FLOOR = 256 << 20
+RANKS_PER_CORE = 16  # beyond this the ranks only fight over the cores
+_PR_SET_PDEATHSIG = 1
 
 # options that take a value (everything up to the script / -m module belongs to the launcher)
 _VALUE_OPTS = {"-n", "--nproc", "--nproc-per-node", "--hosts", "--timeout", "--grace", "--nnodes",
-               "--node-rank", "--coordinator", "--jax-coordinator", "--job-id"}
+               "--node-rank", "--coordinator", "--jax-coordinator", "--job-id", "--secret-file"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="host:port for jax.distributed (default: coordinator port + 1 with "
                         "--nnodes>1, a free local port otherwise)")
     p.add_argument("--job-id", default=None, help="job id shared by all hosts ([A-Za-z0-9_])")
+    p.add_argument("--secret-file", default=None,
+                   help="file holding the job secret every host's ranks prove (needed with --nnodes>1 "
+                        "unless JAXODC_JOB_SECRET / JAXODC_SECRET_FILE is set); default: a fresh one")
     p.add_argument("--timeout", type=float, default=None, help="kill the job after S seconds")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
@@ -132,11 +154,18 @@ def _describe(returncode: int) -> str:
 
 
 class _Rank:
-    def __init__(self, rank: int, proc: subprocess.Popen):
+    def __init__(self, rank: int, proc: subprocess.Popen, log_path: str):
         self.rank = rank
         self.proc = proc
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.log_path = log_path
+        self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.last_line = {"stdout": "", "stderr": ""}  # the last non-blank line of each stream
         self.readers: list[threading.Thread] = []
+
+
+# A complete piece of output: a line, or a progress update ended by a carriage return.
+_PIECE = re.compile(r"[^\r\n]*(?:\r\n|[\r\n])")
+_HELD_MAX = 1 << 16
 
 
 class _Job:
@@ -145,18 +174,47 @@ class _Job:
         self.tag = tag
         self.out_lock = threading.Lock()
         self.pending_signals: list[int] = []  # appended by the launcher's signal handler
+        self.silenced: set[int] = set()  # ranks being stopped: their dying words go to their logs only
 
-    def pump(self, r: _Rank, pipe, sink) -> None:
+    def pump(self, r: _Rank, pipe, sink, stream: str) -> None:
+        """Copy a rank's output to its log and to `sink`: whole lines, so ranks never split each
+        other's lines, except on a line that a carriage return has made a progress bar, whose
+        updates go out as they come (the bar stays live). Every line and update gets the prefix."""
         prefix = f"[rank {r.rank}] " if self.tag else ""
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            r.tail.append(line)
-            with self.out_lock:
-                try:
-                    sink.write(prefix + line + "\n")
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # our own stdout went away; keep draining so the rank never blocks
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        fd, held = pipe.fileno(), ""
+        at_start, in_bar = True, False  # next text begins a line / update; a \r was seen on this line
+        while True:
+            data = os.read(fd, 65536)
+            try:
+                os.write(r.log_fd, data)
+            except OSError:
+                pass  # a full disk must not block the rank
+            held += decoder.decode(data, final=not data)
+            pieces = _PIECE.findall(held)
+            held = held[sum(map(len, pieces)):]
+            if held and (not data or in_bar or "\r" in "".join(pieces)[-1:] or len(held) > _HELD_MAX):
+                # the end of output, a bar's update, or a line too long to hold (memory bounded)
+                pieces.append(held + ("\n" if not data else ""))
+                held = ""
+            out = []
+            for piece in pieces:
+                if at_start and piece != "\r":
+                    out.append(prefix)
+                out.append(piece)
+                at_start = piece.endswith(("\r", "\n"))
+                in_bar = (in_bar or piece.endswith("\r")) and not piece.endswith("\n")
+                if piece.endswith("\n") and piece.strip():
+                    r.last_line[stream] = piece.strip()
+            if out and r.rank not in self.silenced:
+                with self.out_lock:
+                    try:
+                        sink.write("".join(out))
+                        sink.flush()
+                    except (OSError, ValueError):
+                        pass  # our own stdout went away; keep draining so the rank never blocks
+            if not data:
+                break
         pipe.close()
 
     def signal_all(self, sig: int) -> None:
@@ -168,8 +226,8 @@ class _Job:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def teardown(self, grace: float, first_sig: int = signal.SIGTERM) -> None:
-        self.signal_all(first_sig)
+    def teardown(self, grace: float) -> None:
+        self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks):
             time.sleep(0.02)
@@ -216,6 +274,10 @@ def main(argv: list[str]) -> int:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         _err(f"--node-rank {args.node_rank} is outside --nnodes {args.nnodes}")
         return 2
+    why = capacity_error(args.nproc)
+    if why:
+        _err(why)
+        return 2
 
     if args.nnodes > 1:
         if not args.coordinator:
@@ -235,16 +297,100 @@ def main(argv: list[str]) -> int:
     if sanitize_job_id(job_id) != job_id:
         _err(f"--job-id {job_id!r} may contain only [A-Za-z0-9_]")
         return 2
+    try:
+        secret_env = _secret_env(args, coordinator)
+    except auth.AuthError as e:
+        _err(str(e))
+        return 2
 
     if is_module:
         cmd = [sys.executable, "-u", "-m", *target]
     else:
         cmd = [sys.executable, "-u", *target]
     world = args.nproc * args.nnodes
-    return _run(cmd, args, world, coordinator, jax_coordinator, job_id)
+    return _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env)
 
 
-def _run(cmd, args, world, coordinator, jax_coordinator, job_id) -> int:
+def capacity_error(nproc: int, flag: str = "-n") -> str | None:
+    """Why this machine cannot hold `nproc` ranks (memory, cores), or None; `flag` names the option."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > RANKS_PER_CORE * cores:
+        return (f"{flag} {nproc}: more ranks than this machine can run: {cores} core(s) hold at most "
+                f"{RANKS_PER_CORE * cores} ranks ({RANKS_PER_CORE} per core); use fewer ranks or more hosts")
+    avail = _mem_available()
+    if avail is not None and nproc * RANK_MEMORY_FLOOR > avail:
+        return (f"{flag} {nproc}: the ranks need at least {nproc * RANK_MEMORY_FLOOR / 2**30:.1f} GiB "
+                f"({RANK_MEMORY_FLOOR >> 20} MiB each) but only {avail / 2**30:.1f} GiB of memory is "
+                f"available; at most {avail // RANK_MEMORY_FLOOR} ranks fit. Use fewer ranks or more hosts")
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _secret_env(args, coordinator: str) -> dict:
+    """The ranks' secret variables: --secret-file, else the caller's, else a fresh secret (one
+    host only: other hosts could not know it)."""
+    if args.secret_file:
+        path = os.path.abspath(args.secret_file)
+        auth.read_secret_file(path)  # unreadable or empty: refused here, not in every rank
+        return {auth.SECRET_FILE_ENV: path, auth.SECRET_ENV: ""}
+    if auth.secret_from_env():
+        return {}  # given by the caller (e.g. SLURM's job environment): the ranks inherit it
+    if args.nnodes == 1:
+        return {auth.SECRET_ENV: auth.new_secret().hex()}
+    if auth.is_loopback(coordinator.rpartition(":")[0].strip("[]")):
+        return {}
+    raise auth.AuthError(
+        f"--nnodes {args.nnodes}: every host needs the same job secret; give each launcher "
+        f"--secret-file FILE (the same random bytes on every host) or set ${auth.SECRET_FILE_ENV}")
+
+
+def _child_setup(prctl, launcher_pid: int):
+    """Runs in each rank between fork and exec: die with the launcher, even a SIGKILLed one."""
+    def setup():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
+            os._exit(128 + signal.SIGKILL)
+    return setup
+
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
+    except (OSError, AttributeError):
+        return None  # not Linux: the watchdog alone covers a killed launcher
+
+
+def _start_watchdog(job_id: str):
+    env = dict(os.environ, PYTHONPATH=rank_pythonpath())
+    try:
+        return subprocess.Popen([sys.executable, "-m", "jaxodc.launch.watchdog", job_id], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+    except OSError as e:
+        _err(f"could not start the watchdog ({e}); a killed launcher may leave ranks behind")
+        return None
+
+
+def _tell_watchdog(dog, line: str) -> None:
+    if dog is not None:
+        try:
+            dog.stdin.write(line + "\n")
+            dog.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> int:
     ranks: list[_Rank] = []
     job = _Job(ranks, args.tag_output)
     old_handlers = {}
@@ -255,60 +401,95 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id) -> int:
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
             old_handlers[s] = signal.signal(s, on_signal)
+    log_dir = tempfile.mkdtemp(prefix=f"jaxodc_{job_id}_logs_")
+    dog = _start_watchdog(job_id)
+    prctl, me = _prctl(), os.getpid()
+    status = 1
     try:
         for local in range(args.nproc):
+            if job.pending_signals:  # honoured while spawning, not only once every rank runs
+                status = _stop_on_signal(job, args, log_dir)
+                return status
             rank = args.node_rank * args.nproc + local
             env = rank_env(os.environ, rank=rank, world=world, local_rank=local,
                            local_world=args.nproc, coordinator=coordinator,
                            jax_coordinator=jax_coordinator, job_id=job_id,
                            node_rank=args.node_rank, nnodes=args.nnodes)
+            env.update(secret_env)
+            env[LOG_DIR_ENV] = log_dir
             try:
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-            except OSError as e:
+                                        start_new_session=True,
+                                        preexec_fn=_child_setup(prctl, me) if prctl else None)
+            except (OSError, subprocess.SubprocessError) as e:
                 _err(f"could not start rank {rank}: {e}")
                 job.teardown(args.grace)
                 return 1
-            r = _Rank(rank, proc)
+            _tell_watchdog(dog, str(proc.pid))  # its process group: it leads a new session
+            r = _Rank(rank, proc, os.path.join(log_dir, f"rank{rank}.log"))
             ranks.append(r)
-            for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=job.pump, args=(r, pipe, sink), daemon=True)
+            for pipe, sink, stream in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
+                t = threading.Thread(target=job.pump, args=(r, pipe, sink, stream), daemon=True)
                 t.start()
                 r.readers.append(t)
-        return _supervise(job, args)
+        status = _supervise(job, args, log_dir)
+        return status
     finally:
         if ranks and any(r.proc.poll() is None for r in ranks):
             job.teardown(args.grace)
         job.join_readers()
+        for r in ranks:
+            os.close(r.log_fd)
+        _tell_watchdog(dog, "done")
+        if dog is not None:
+            try:
+                dog.stdin.close()
+                dog.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                dog.kill()  # told "done": it has nothing left to do
+                dog.wait()
         for s, h in old_handlers.items():
             signal.signal(s, h)
         removed = cleanup_shm(job_id)
         if removed:
             _err(f"removed {len(removed)} leftover shared-memory segment(s) of job {job_id}")
+        if status == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _supervise(job: _Job, args) -> int:
+def _stop_on_signal(job: _Job, args, log_dir: str) -> int:
+    """One line, then every rank stopped: SIGTERM (a Python rank dies of it without a traceback),
+    SIGKILL after the grace period. Their last output goes to their logs only."""
+    signum = job.pending_signals[0]
+    started = sum(1 for r in job.ranks if r.proc.poll() is None)
+    _err(f"received {signal.Signals(signum).name}; stopping the job ({started} running rank(s); their "
+         f"output is in {log_dir})")
+    job.silenced.update(r.rank for r in job.ranks)
+    job.teardown(args.grace)
+    return 128 + signum
+
+
+def _supervise(job: _Job, args, log_dir: str) -> int:
     start = time.monotonic()
     ranks = job.ranks
     while True:
         if job.pending_signals:
-            signum = job.pending_signals[0]
-            _err(f"received {signal.Signals(signum).name}; forwarding it to all ranks and "
-                 f"shutting down")
-            job.teardown(args.grace, first_sig=signum)
-            return 128 + signum
+            return _stop_on_signal(job, args, log_dir)
         failed = [r for r in ranks if r.proc.poll() not in (None, 0)]
         if failed:
             # The first to fail is the one whose pid was reaped first; poll order is by rank, so
             # among ranks found dead in the same sweep the lowest rank is reported.
             bad = failed[0]
             code = bad.proc.returncode
-            _err(f"rank {bad.rank} (pid {bad.proc.pid}) {_describe(code)}; stopping the other "
-                 f"ranks")
+            # the others die of the teardown: their words would bury the cause
+            job.silenced.update(r.rank for r in ranks if r is not bad)
             job.teardown(args.grace)
             job.join_readers()
-            _report_tail(bad)
+            last = bad.last_line["stderr"] or bad.last_line["stdout"]  # an error's words go to stderr
+            said = f": {last}" if last else " without output"
+            _err(f"rank {bad.rank} (pid {bad.proc.pid}) {_describe(code)}{said} -- its full output "
+                 f"is in {bad.log_path}; the other ranks were stopped")
             return _status(code)
         if all(r.proc.poll() == 0 for r in ranks):
             return 0
@@ -319,14 +500,6 @@ def _supervise(job: _Job, args) -> int:
             job.teardown(args.grace)
             return TIMEOUT_STATUS
         time.sleep(0.02)
-
-
-def _report_tail(r: _Rank) -> None:
-    lines = list(r.tail)
-    with_lines = f"last {len(lines)} line(s) of output" if lines else "no output"
-    body = "".join(f"  [rank {r.rank}] {line}\n" for line in lines)
-    sys.stderr.write(f"jaxodc launch: rank {r.rank} {with_lines}:\n{body}")
-    sys.stderr.flush()
 
 
 # One compute thread per rank so that ranks sharing few cores do not fight over them.
@@ -362,12 +535,20 @@ def rank_pythonpath() -> str:
     return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
+class RanksFailed(SystemExit):
+    """`launch_ranks`' ranks failed (the launcher has said which and why); `status` is its exit status."""
+
+    def __init__(self, module: str, status: int):
+        super().__init__(f"ranks of {module} failed with status {status}")
+        self.status = status
+
+
 def launch_ranks(world: int, module: str, args: list[str], timeout_s: float, env: dict | None = None) -> None:
     """Runs `python -m module args` on `world` local ranks through `jaxodc launch` (`env` on top of
-    RANK_ENV); raises SystemExit naming the module when a rank fails."""
+    RANK_ENV); raises RanksFailed (a SystemExit naming the module) when a rank fails."""
     os.environ.update(rank_env_defaults())
     os.environ.update(env or {})
     os.environ["PYTHONPATH"] = rank_pythonpath()
     status = main(["-n", str(world), "--timeout", str(int(timeout_s)), "-m", module] + args)
     if status != 0:
-        raise SystemExit(f"ranks of {module} failed with status {status}")
+        raise RanksFailed(module, status)

@@ -1,8 +1,12 @@
 """Key-value rendezvous service used to bootstrap a job: rank 0 hosts a `RendezvousServer`, every
 rank talks to it through a `RendezvousClient`.
 
-Wire format: the framing of `jaxodc.coord.protocol` (a 4-byte big-endian length, then a msgpack
-map), without its message type. One request is in flight per connection; the server answers every
+Every connection starts with the job's challenge-response (`jaxodc.auth`, listener
+``"rendezvous"``): the server learns the client's rank from it, and a request naming another rank
+is refused. Then the framing of `jaxodc.coord.protocol` (a 4-byte big-endian length, then a msgpack
+map), without its message type; a length above `MAX_FRAME` drops the connection, and a frame's
+memory grows only as its bytes arrive, so an announced length costs nothing by itself. The server
+holds at most ``max_connections`` connections; `close` wakes every blocked read and wait. One request is in flight per connection; the server answers every
 request with one frame: ``{"ok": True, ...}`` or ``{"ok": False, "error": kind, "msg": text}``.
 
 Requests:
@@ -28,13 +32,17 @@ import socket
 import threading
 import time
 
+from jaxodc import auth
 from jaxodc.coord import protocol as P
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "MAX_FRAME"]
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 256 << 20  # a frame longer than this is treated as garbage, not allocated
+# The rendezvous carries small metadata (peer addresses, records); a longer frame is garbage.
+MAX_FRAME = 64 << 20
+MAX_WORLD = 1 << 16  # ranks a server admits when not told its world
+LISTENER = "rendezvous"
 # Extra seconds the client waits on the socket beyond a server-side wait, so the server's
 # timeout reply (which names the key) arrives before the socket gives up.
 _REPLY_MARGIN_S = 5.0
@@ -56,9 +64,20 @@ class _Round:
 
 
 class RendezvousServer:
-    """Threaded TCP key-value server. Starts serving in a daemon thread on construction."""
+    """Threaded TCP key-value server. Starts serving in a daemon thread on construction.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    Args:
+        secret, job_id: what a client must prove (`jaxodc.auth`); an empty secret only on loopback.
+        world: ranks admitted (0 .. world-1).
+        max_connections: connections held at once; one more is closed on accept.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes = b"",
+                 job_id: str = "", world: int = MAX_WORLD, max_connections: int = 256):
+        auth.require_secret_for_bind(secret, host, "rendezvous server")
+        self.secret, self.job_id, self.world = secret, job_id, int(world)
+        self.max_connections = int(max_connections)
+        self.refused = 0  # connections dropped: failed handshake, over the limit, broken frames
         # create_server sets SO_REUSEADDR, so a port just probed free by a launcher binds.
         self._sock = socket.create_server((host, port), backlog=128)
         bound_port = self._sock.getsockname()[1]
@@ -130,7 +149,16 @@ class RendezvousServer:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self._conns.add(conn)
+            if full:
+                log.warning("rendezvous %s: refused %s:%s: already %d connections", self.address,
+                            peer[0], peer[1], self.max_connections)
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve_conn, args=(conn, peer), name=f"rendezvous-conn-{peer}",
@@ -140,13 +168,25 @@ class RendezvousServer:
     def _serve_conn(self, conn: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
         try:
+            try:
+                rank = auth.server_handshake(conn, self.secret, LISTENER, self.job_id, self.world,
+                                             what=f"rendezvous {self.address}")
+            except auth.AuthError as e:
+                with self._cond:
+                    self.refused += 1
+                log.warning("rendezvous %s: refused %s: %s", self.address, who, e)
+                return
+            who = f"rank {rank} ({peer[0]}:{peer[1]})"
             while True:
                 try:
                     msg = P.recv_frame(conn, MAX_FRAME, typed=False)
-                    if msg.get("op") == "hello":
-                        who = f"rank {msg.get('rank')} ({peer[0]}:{peer[1]})"
+                    claimed = msg.get("rank", rank)
+                    if claimed != rank:
+                        raise P.ProtocolError(f"request names rank {claimed!r}, authenticated as {rank}")
                     reply = self._handle(msg)
                 except P.ProtocolError as e:
+                    with self._cond:
+                        self.refused += 1
                     log.warning("rendezvous %s: closing connection from %s: %s",
                                 self.address, who, e)
                     return
@@ -245,7 +285,8 @@ class RendezvousServer:
 class RendezvousClient:
     """Client of a `RendezvousServer`. Thread-safe (requests on one client are serialised)."""
 
-    def __init__(self, address: str, rank: int, timeout_s: float = 60.0):
+    def __init__(self, address: str, rank: int, timeout_s: float = 60.0, *, secret: bytes = b"",
+                 job_id: str = ""):
         self.address = address
         self.rank = int(rank)
         self.timeout_s = float(timeout_s)
@@ -270,6 +311,14 @@ class RendezvousClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            auth.client_handshake(self._sock, secret, LISTENER, job_id, self.rank,
+                                  timeout_s=max(1.0, deadline - time.monotonic()),
+                                  what=f"rendezvous: rank {self.rank} at {address}")
+        except auth.AuthError as e:
+            self._sock.close()
+            raise RendezvousError(f"{e}; every rank needs the job's secret (${auth.SECRET_ENV} "
+                                  f"or ${auth.SECRET_FILE_ENV}, set by jaxodc launch)") from None
         self._request({"op": "hello", "rank": self.rank}, self.timeout_s, "hello")
 
     def _request(self, msg: dict, wait_s: float, what: str) -> dict:

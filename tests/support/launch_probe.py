@@ -4,7 +4,9 @@ Every rank writes its pid (and a child's pid) to PIDDIR so the test can check no
 MODE env: print the launcher environment and the init_from_env context as one JSON line.
 MODE fail: rank 1 prints last words and exits 3 (others sleep). MODE sigkill: rank 1 kills
 itself with SIGKILL. MODE sleep: everyone sleeps. MODE shm: rank 1 creates a shared-memory file
-named like the ODC runtime's, then exits 3.
+named like the ODC runtime's, then exits 3. MODE hold: every rank joins the job (rank 0 listens
+at the coordinator), creates a shared-memory file of the job, prints "ready" and sleeps.
+MODE progress: rank 0 prints a line, three \\r-updates a second apart, then a line.
 """
 import json
 import os
@@ -28,7 +30,7 @@ if mode == "env":
     ranks = [int(b) for b in ctx.rendezvous.allgather("ranks", str(ctx.rank).encode(), ctx.world)]
     keys = ["JAXODC_RANK", "JAXODC_WORLD_SIZE", "JAXODC_LOCAL_RANK", "JAXODC_LOCAL_WORLD_SIZE",
             "JAXODC_COORDINATOR", "JAXODC_JAX_COORDINATOR", "JAXODC_JOB_ID", "RANK", "WORLD_SIZE",
-            "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+            "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JAXODC_JOB_SECRET", "JAXODC_SECRET_FILE"]
     print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[3:],
                       "ctx": [ctx.rank, ctx.world, ctx.local_rank, ctx.local_world, ctx.job_id,
                               ctx.coordinator, ctx.server is not None],
@@ -36,6 +38,24 @@ if mode == "env":
     shutdown(ctx)
     child.kill()
     child.wait()
+    sys.exit(0)
+
+if mode == "hold":
+    from jaxodc.launch.context import init_from_env
+
+    ctx = init_from_env(timeout_s=20)
+    with open(f"/dev/shm/jaxodc_{ctx.job_id}_probe{rank}", "wb") as f:
+        f.write(b"x" * 64)
+    print("ready", flush=True)
+    time.sleep(120)
+if mode == "progress":
+    if rank == 0:
+        print("plain line", flush=True)
+        for i in range(3):  # as jaxodc.train.metrics.Progress draws its bar
+            print(f"\rstep {i}", end="", flush=True)
+            time.sleep(1.0)
+        print("\nfinished", flush=True)
+    child.kill()
     sys.exit(0)
 
 print(f"rank {rank} started", flush=True)
