@@ -7,6 +7,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 def median_time(fn, reps: int, before=None) -> float:
     """Median wall time of fn() over `reps` runs; `before()` runs untimed ahead of each."""
     times = []
@@ -17,6 +19,27 @@ def median_time(fn, reps: int, before=None) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def paired_ratio(a, b, n_boot: int = 2000, seed: int = 0, stat=np.median) -> tuple[float, float, float]:
+    """(point, low, high): `stat` of the per-repetition ratios a[i] / b[i] (repetition i ran both on
+    the same minibatches) and its 95% interval by a paired bootstrap over repetitions: resample
+    whole repetitions with replacement, recompute `stat`, take the 2.5 and 97.5 percentiles."""
+    r = np.asarray(a, np.float64) / np.asarray(b, np.float64)
+    if r.size == 0:
+        raise ValueError("paired_ratio needs at least one repetition")
+    point = float(stat(r))
+    if r.size == 1:
+        return point, point, point
+    rng = np.random.default_rng(seed)
+    boot = stat(r[rng.integers(0, r.size, size=(n_boot, r.size))], axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def fmt_ratio(point: float, low: float, high: float) -> str:
+    """A ratio with its 95% interval, as the benchmarks print it."""
+    return f"{point:.3f} [95% {low:.3f}..{high:.3f}]"
 
 
 def write_records(path: str | None, records: list[dict]) -> None:
