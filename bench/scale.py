@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from jaxodc.bench.common import fmt_ratio, paired_ratio, print_table, write_records
+from jaxodc.bench.common import fmt_ratio, pooled_ratio, print_table, write_records
 from jaxodc.launch.launcher import launch_ranks, pin_one_core
 
 COMBOS = (("collective@jaxodc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
@@ -54,9 +54,11 @@ def _args(argv):
     p.add_argument("--ranks", default="8,16,32", help="world sizes (list)")
     p.add_argument("--preset", default="longalign", help="sample-length preset (jaxodc.data.PRESETS)")
     p.add_argument("--minibatch", type=int, default=4, help="samples per rank per minibatch (the paper's golden 4)")
-    p.add_argument("--minibatches", type=int, default=16, help="global minibatches per world size (each run by every combo)")
+    p.add_argument("--minibatches", type=int, default=12, help="global minibatches per world size (each run by every combo)")
     p.add_argument("--max-len", type=int, default=128, help="real tokens of the longest sample (= microbatch cap)")
-    p.add_argument("--longest-s", type=float, default=0.4, help="emulated seconds of a longest sample")
+    p.add_argument("--longest-s", type=float, default=2.0,
+                   help="emulated seconds of a longest sample: large beside the real per-microbatch overhead "
+                        "(tens of ms with 32 ranks on 2 cores), which the bubble counts as idle")
     p.add_argument("--model", default="llama-8b", choices=sorted(MODELS))
     p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the emulated device")
@@ -177,7 +179,7 @@ def summarize(args, world: int, records: list[dict]) -> tuple[list[dict], list[d
         spans = {k: max(r["t_end"] for r in g) - min(r["t_start"] for r in g) for k, g in by_k.items()}
         busy = sum(r["emulated"] for g in by_k.values() for r in g)
         samples = sum(r["samples"] for g in by_k.values() for r in g)
-        per_mb[(comm, balance)] = {k: sum(r["samples"] for r in g) / spans[k] for k, g in by_k.items()}
+        per_mb[(comm, balance)] = {k: (sum(r["samples"] for r in g), spans[k]) for k, g in by_k.items()}
         ends = [r["end_s"] for g in by_k.values() for r in g if r["end_s"] is not None]
         rows.append({"kind": "scale", "ranks": world, "comm": comm, "balance": balance, "transport": "jaxodc",
                      "preset": args.preset, "minibatch": args.minibatch, "minibatches": len(by_k),
@@ -193,16 +195,12 @@ def summarize(args, world: int, records: list[dict]) -> tuple[list[dict], list[d
     ratios = []
     for combo in COMBOS[1:]:
         ks = sorted(set(per_mb[combo]) & set(per_mb[base]))
-        point, lo, hi = paired_ratio([per_mb[combo][k] for k in ks], [per_mb[base][k] for k in ks], stat=_pooled)
+        a, b = [per_mb[combo][k] for k in ks], [per_mb[base][k] for k in ks]
+        point, lo, hi = pooled_ratio([x[0] for x in a], [x[1] for x in a], [x[0] for x in b], [x[1] for x in b])
         ratios.append({"kind": "ratio", "ranks": world, "ratio": f"{combo[0]}+{combo[1]} / {base[0]}+{base[1]} samples/s",
                        "value": point, "ci95": [lo, hi], "ceiling": ceiling(sim, SIM[combo], SIM[base]),
                        "preset": args.preset})
     return rows, ratios
-
-
-def _pooled(r, axis=None):
-    """Mean of per-minibatch ratios (each minibatch weighs the same), the bootstrap's statistic."""
-    return np.mean(r, axis=axis)
 
 
 def bars(rows: list[dict], ratios: list[dict]) -> list[dict]:

@@ -1,11 +1,22 @@
-"""`jaxodc demo`: trains the small decoder LM on long-tailed byte-level text (Python's own library
-sources) on 2 local ranks, first with the collective baseline + LB-Micro (over jaxodc's own
-lock-step collective, the transport ODC uses, so the comparison measures ODC's scheduling), then
-with ODC + LB-Mini, in the same processes, and prints loss, throughput and bubble rate of both plus a timeline PNG
-and the per-minibatch records in --out. It is `jaxodc train` (jaxodc.cli.train) with both runs and
-one warm-up minibatch each.
+"""`jaxodc demo`: the ODC paper's workload on this machine. Long-context SFT: byte-level text
+(Python's own library sources) with LongAlign-like long-tailed lengths up to --max-tokens (2048),
+packed rows with segment attention (a sample attends only to itself, so a row's cost follows its
+samples), a microbatch cap of the longest sample, and a model small enough (d_model 64) that
+attention is most of a long sample's compute. It
 
-    jaxodc demo [--steps 6] [--minibatch 4] [--max-tokens 256] [--out DIR]
+1. calibrates the cost model a*s^2 + b*tokens + c by timing the model's step on this machine
+   (one core, as a rank has) and prints attention's share of a longest sample;
+2. trains on 2 local ranks with the collective baseline + LB-Micro (over jaxodc's own lock-step
+   collective, the transport ODC uses, so the comparison measures ODC's scheduling), then with
+   ODC + LB-Mini, the same minibatches (`jaxodc train`, jaxodc.cli.train), and prints loss,
+   throughput and bubble rate of both, a timeline PNG and the per-minibatch records in --out;
+3. runs 8 ranks with emulated accelerator compute (a short `jaxodc bench scale`, bench/scale.py).
+
+It ends with two headline lines: the real run's speed-up beside the simulator's ceiling for the same
+minibatches (compute only), and the 8-rank emulated run's beside its simulator figure; every
+ratio with its 95% interval (paired bootstrap over minibatches).
+
+    jaxodc demo [--steps 12] [--minibatch 4] [--max-tokens 2048] [--out DIR]
 
 `jaxodc demo --sites` instead trains one job across 3 sites of 2 ODC ranks each, joined by
 DiLoCo over emulated 100 Mbit/s, 20 ms links (jaxodc.optim.sites): it kills a rank of site 1 (the
@@ -25,12 +36,15 @@ import sys
 def _args(argv):
     p = argparse.ArgumentParser(prog="jaxodc demo")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="timed minibatches per mode (after one warm-up)")
+    p.add_argument("--steps", type=int, default=12, help="timed minibatches per mode (after one warm-up)")
     p.add_argument("--minibatch", type=int, default=4, help="samples per rank per minibatch")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per packed microbatch")
+    p.add_argument("--max-tokens", type=int, default=2048, help="the longest sample = the microbatch's token cap")
+    p.add_argument("--min-bucket", type=int, default=256, help="packed rows are this many tokens times a power of two")
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--scale-minibatches", type=int, default=8,
+                   help="global minibatches of the 8-rank emulated run (0: skip it)")
     p.add_argument("--out", default="jaxodc_demo", help="directory for demo_timeline.png and demo.json")
     p.add_argument("--sites", action="store_true", help="one job across 3 sites with a site killed and one joining")
     p.add_argument("--outer-steps", type=int, default=30, help="--sites: outer steps of the job")
@@ -38,14 +52,100 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def train_argv(args) -> list[str]:
-    """The `jaxodc train` invocation the demo runs."""
-    return ["--ranks", str(args.ranks), "--comm", "collective,odc", "--balance", "lb_micro,lb_mini",
-            "--collective-transport", "jaxodc",
-            "--steps", str(args.steps + 1), "--warmup", "1", "--minibatch", str(2 * args.minibatch),
-            "--max-tokens", str(args.max_tokens), "--preset", args.preset, "--d-model", str(args.d_model),
-            "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0", "--timeline", os.path.join(args.out, "demo_timeline.png"),
-            "--json", os.path.join(args.out, "demo.json")]
+def train_argv(args, cost=None) -> list[str]:
+    """The `jaxodc train` invocation the demo runs (`cost`: the calibrated CostModel)."""
+    out = ["--ranks", str(args.ranks), "--comm", "collective,odc", "--balance", "lb_micro,lb_mini",
+           "--collective-transport", "jaxodc",
+           "--steps", str(args.steps + 1), "--warmup", "1", "--minibatch", str(args.minibatch),
+           "--max-tokens", str(args.max_tokens), "--min-bucket", str(args.min_bucket), "--preset", args.preset,
+           "--d-model", str(args.d_model), "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0",
+           "--timeline", os.path.join(args.out, "demo_timeline.png"), "--json", os.path.join(args.out, "demo.json")]
+    return out + (["--cost", f"{cost.a!r},{cost.b!r},{cost.c!r}"] if cost is not None else [])
+
+
+def calibration_items(max_tokens: int, min_bucket: int) -> list:
+    """Microbatches to time: one sample per row length, and rows packed with equal samples (the
+    same tokens, less attention), so a, b and c separate."""
+    from jaxodc.balance.packing import bucket
+    rows = sorted({bucket(t, max_tokens, min_bucket) for t in range(1, max_tokens + 1)})
+    items: list = [int(T) for T in rows]
+    for T in rows[1:]:
+        items.append([int(T) // 4] * 4)
+    return items
+
+
+def calibrate_cost(args):
+    """CostModel (seconds) of one rank's microbatch step on this machine: the model's forward +
+    backward (ReferenceTrainer.timing_fn, packed like training) timed on one core, as each rank
+    runs. The process's core set is restored afterwards, so ranks started later spread over all."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cores:
+        os.sched_setaffinity(0, {min(cores)})  # before jax starts: XLA sizes its thread pool from it
+    try:
+        import jax
+        import optax
+
+        from jaxodc.balance.cost import calibrate
+        from jaxodc.models.lm import LM, LMConfig
+        from jaxodc.train.reference import ReferenceTrainer
+        model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4))
+        ref = ReferenceTrainer(model, optax.adam(1e-3), model.init(jax.random.PRNGKey(0)))
+        step = ref.timing_fn(args.max_tokens, min_bucket=args.min_bucket)
+        return calibrate(step, calibration_items(args.max_tokens, args.min_bucket), repeats=3, warmup=1)
+    finally:
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+
+def real_run_figures(args, cost) -> dict:
+    """From the demo's records: ODC + LB-Mini over collective + LB-Micro samples/s (whole run) with
+    its 95% interval (paired bootstrap over minibatches: both runs train the same ones), and the
+    simulator's ceiling for the same minibatches under the calibrated cost model."""
+    import itertools
+
+    from jaxodc.balance.simulate import ceiling, replay
+    from jaxodc.bench.common import pooled_ratio
+    from jaxodc.cli.timeline import load_runs
+    from jaxodc.cli.train import load_samples, parser
+    from jaxodc.data import minibatches
+    runs = load_runs(os.path.join(args.out, "demo.json"))
+    span = {}
+    for name, recs in runs.items():
+        by: dict = {}
+        for r in recs:
+            by.setdefault(r.step, []).append(r)
+        span[name] = {k: (sum(r.samples for r in g), max(r.t_end for r in g) - min(r.t_start for r in g))
+                      for k, g in by.items()}
+    odc, coll = span["odc + lb_mini"], span["collective + lb_micro"]
+    ks = sorted(set(odc) & set(coll))
+    ratio = pooled_ratio([odc[k][0] for k in ks], [odc[k][1] for k in ks], [coll[k][0] for k in ks],
+                         [coll[k][1] for k in ks])
+    targs = parser().parse_args(train_argv(args))
+    from jaxodc.cli.train import check_args
+    check_args(targs)
+    lengths = load_samples(targs, args.ranks).lengths
+    stream = itertools.islice(minibatches(len(lengths), args.ranks * args.minibatch, seed=2, epochs=None),
+                              args.steps + 1)
+    mbs = [lengths[idx].tolist() for k, idx in enumerate(stream) if k in set(ks)]
+    return {"ratio": ratio, "ceiling": ceiling(replay(mbs, args.ranks, args.max_tokens, cost)), "minibatches": len(ks)}
+
+
+def scale_line(args) -> str | None:
+    """The 8-rank emulated run (bench scale, one world size, short): its headline line."""
+    if args.scale_minibatches <= 0:
+        return None
+    from jaxodc.bench import scale
+    sargs = scale._args(["--ranks", "8", "--minibatches", str(args.scale_minibatches), "--preset", args.preset,
+                         "--json", os.path.join(args.out, "demo_scale.json")])
+    rows, ratios, bars = scale.run(sargs, say=lambda *a: None)
+    from jaxodc.bench.common import write_records
+    write_records(sargs.json, rows + ratios + bars)
+    q = next(q for q in ratios if q["ratio"].startswith("odc+lb_mini"))
+    bub = {r["comm"]: r for r in rows if r["balance"] in ("lb_mini", "lb_micro")}
+    return (f"8 ranks, emulated compute: ODC + LB-Mini vs collective + LB-Micro: {q['value']:.2f}x "
+            f"(simulator {q['ceiling']:.2f}) [95% {q['ci95'][0]:.2f}..{q['ci95'][1]:.2f}; bubble "
+            f"{bub['odc']['bubble']:.1%} vs {bub['collective@jaxodc']['bubble']:.1%}, simulator "
+            f"{bub['odc']['sim_bubble']:.1%} vs {bub['collective@jaxodc']['sim_bubble']:.1%}]")
 
 
 def sites_train_argv(args) -> list[str]:
@@ -95,7 +195,22 @@ def main(argv: list[str]) -> int:
     if args.sites:
         return sites_demo(args)
     from jaxodc.cli.train import main as train
-    return train(train_argv(args))
+    os.makedirs(args.out, exist_ok=True)
+    cost = calibrate_cost(args)
+    print(f"demo: calibrated cost (s): a={cost.a:.3g} per s^2, b={cost.b:.3g} per token, c={cost.c:.3g} per "
+          f"microbatch; attention is {cost.attention_share(args.max_tokens):.0%} of a {args.max_tokens}-token "
+          f"sample's compute (without c)", flush=True)
+    status = train(train_argv(args, cost))
+    if status:
+        return status
+    fig = real_run_figures(args, cost)
+    point, lo, hi = fig["ratio"]
+    line = scale_line(args)
+    print(f"\nODC + LB-Mini vs collective + LB-Micro: {point:.2f}x samples/s (ceiling {fig['ceiling']:.2f}) "
+          f"[95% {lo:.2f}..{hi:.2f}, {fig['minibatches']} minibatches]")
+    if line:
+        print(line)
+    return 0
 
 
 if __name__ == "__main__":
