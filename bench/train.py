@@ -376,6 +376,8 @@ def ceilings(raw: dict) -> dict[int, float]:
     from jaxodc.balance.cost import CostModel
     from jaxodc.balance.simulate import ceiling, replay
     from jaxodc.data import synthetic_text
+    if "config" not in raw or "cost" not in raw:  # records alone (tests): no run to replay
+        return {}
     cfg = argparse.Namespace(**raw["config"])
     W = len({r["rank"] for r in raw["records"]})
     lengths = synthetic_text(cfg.preset, cfg.pool, cfg.max_tokens, seed=cfg.seed + 1, min_len=8).lengths

@@ -99,6 +99,9 @@ def test_summarize_arithmetic():
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pooled"] == pytest.approx(2.0)
     assert (steal["steals"], steal["minibatches_with_steals"], mini["minibatches_with_steals"]) == (1, 1, 0)
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["pass"] is None  # bar only at minibatch 4
+    # 2x in every repetition: the paired bootstrap's 95% interval collapses onto it
+    assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["ci95"] == pytest.approx([2.0, 2.0])
+    assert all(r["end_s"] is None and r["ceiling"] is None for r in rows)  # records without end_s, no run config
 
 
 def test_injected_bars_take_the_whole_run():
