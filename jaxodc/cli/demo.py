@@ -69,8 +69,7 @@ def calibration_items(max_tokens: int, min_bucket: int) -> list:
     from jaxodc.balance.packing import bucket
     rows = sorted({bucket(t, max_tokens, min_bucket) for t in range(1, max_tokens + 1)})
     items: list = [int(T) for T in rows]
-    for T in rows[1:]:
-        items.append([int(T) // 4] * 4)
+    items += [[int(T) // 4] * 4 for T in rows if T >= 8]
     return items
 
 
