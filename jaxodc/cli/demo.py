@@ -135,7 +135,7 @@ def scale_line(args) -> str | None:
         return None
     from jaxodc.bench import scale
     sargs = scale._args(["--ranks", "8", "--minibatches", str(args.scale_minibatches), "--preset", args.preset,
-                         "--json", os.path.join(args.out, "demo_scale.json")])
+                         "--longest-s", "1.0", "--json", os.path.join(args.out, "demo_scale.json")])
     rows, ratios, bars = scale.run(sargs, say=lambda *a: None)
     from jaxodc.bench.common import write_records
     write_records(sargs.json, rows + ratios + bars)
