@@ -41,6 +41,7 @@ def _args(argv):
     p.add_argument("--max-tokens", type=int, default=2048, help="the longest sample = the microbatch's token cap")
     p.add_argument("--min-bucket", type=int, default=256, help="packed rows are this many tokens times a power of two")
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
+    p.add_argument("--samples", type=int, default=512, help="samples drawn from the preset")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--scale-minibatches", type=int, default=8,
@@ -56,11 +57,52 @@ def train_argv(args, cost=None) -> list[str]:
     """The `jaxodc train` invocation the demo runs (`cost`: the calibrated CostModel)."""
     out = ["--ranks", str(args.ranks), "--comm", "collective,odc", "--balance", "lb_micro,lb_mini",
            "--collective-transport", "jaxodc",
-           "--steps", str(args.steps + 1), "--warmup", "1", "--minibatch", str(args.minibatch),
+           "--steps", str(args.steps + args.warm), "--warmup", str(args.warm), "--minibatch", str(args.minibatch),
            "--max-tokens", str(args.max_tokens), "--min-bucket", str(args.min_bucket), "--preset", args.preset,
+           "--samples", str(args.samples),
            "--d-model", str(args.d_model), "--layers", str(args.layers), "--lr", "3e-3", "--clip", "1.0",
            "--timeline", os.path.join(args.out, "demo_timeline.png"), "--json", os.path.join(args.out, "demo.json")]
     return out + (["--cost", f"{cost.a!r},{cost.b!r},{cost.c!r}"] if cost is not None else [])
+
+
+def demo_minibatches(args, lengths, n: int) -> list:
+    """The first n global minibatches (sample indices) `jaxodc train` runs (its seeded stream)."""
+    import itertools
+
+    from jaxodc.data import minibatches
+    return list(itertools.islice(minibatches(len(lengths), args.ranks * args.minibatch, seed=2, epochs=None), n))
+
+
+def row_shapes(args, lengths, idx, cost) -> set:
+    """(run, rank, row length) of every microbatch one global minibatch compiles for: ODC packs each
+    microbatch to its own bucket, the collective every step to the largest bucket of that step."""
+    from jaxodc.balance.packing import bucket
+    from jaxodc.balance.plan import make_plan
+    out = set()
+    lens = lengths[idx].tolist()
+    for comm, bal in (("collective", "lb_micro"), ("odc", "lb_mini")):
+        plan = make_plan(bal, lens, args.ranks, args.max_tokens, cost)
+        size = lambda r, m: bucket(plan.microbatch_tokens(plan.ranks[r][m]) if m < len(plan.ranks[r]) else 0,  # noqa: E731
+                                   args.max_tokens, args.min_bucket or None)
+        for r in range(args.ranks):
+            for m in range(len(plan.ranks[r])):
+                T = max(size(q, m) for q in range(args.ranks)) if comm == "collective" else size(r, m)
+                out.add((comm, r if comm == "odc" else 0, T))
+    return out
+
+
+def warm_minibatches(args, lengths, cost, limit: int = 40) -> int:
+    """How many leading minibatches to leave out of the figures so that every row shape the timed
+    ones use was compiled before them (compilation would otherwise land in a timed minibatch): the
+    smallest such count, at least 1 (the optimizer compiles in the first)."""
+    mbs = demo_minibatches(args, lengths, limit + args.steps)
+    shapes = [row_shapes(args, lengths, idx, cost) for idx in mbs]
+    seen: set = set()
+    for warm in range(1, limit + 1):
+        seen |= shapes[warm - 1]
+        if set().union(*shapes[warm:warm + args.steps]) <= seen:
+            return warm
+    return limit
 
 
 def calibration_items(max_tokens: int, min_bucket: int) -> list:
@@ -96,17 +138,21 @@ def calibrate_cost(args):
             os.sched_setaffinity(0, cores)
 
 
+def demo_lengths(args):
+    """Sample lengths of the data `jaxodc train` builds for the demo's options."""
+    from jaxodc.cli.train import check_args, load_samples, parser
+    targs = parser().parse_args(train_argv(args))
+    check_args(targs)
+    return load_samples(targs, args.ranks).lengths
+
+
 def real_run_figures(args, cost) -> dict:
     """From the demo's records: ODC + LB-Mini over collective + LB-Micro samples/s (whole run) with
     its 95% interval (paired bootstrap over minibatches: both runs train the same ones), and the
     simulator's ceiling for the same minibatches under the calibrated cost model."""
-    import itertools
-
     from jaxodc.balance.simulate import ceiling, replay
     from jaxodc.bench.common import pooled_ratio
     from jaxodc.cli.timeline import load_runs
-    from jaxodc.cli.train import load_samples, parser
-    from jaxodc.data import minibatches
     runs = load_runs(os.path.join(args.out, "demo.json"))
     span = {}
     for name, recs in runs.items():
@@ -119,13 +165,9 @@ def real_run_figures(args, cost) -> dict:
     ks = sorted(set(odc) & set(coll))
     ratio = pooled_ratio([odc[k][0] for k in ks], [odc[k][1] for k in ks], [coll[k][0] for k in ks],
                          [coll[k][1] for k in ks])
-    targs = parser().parse_args(train_argv(args))
-    from jaxodc.cli.train import check_args
-    check_args(targs)
-    lengths = load_samples(targs, args.ranks).lengths
-    stream = itertools.islice(minibatches(len(lengths), args.ranks * args.minibatch, seed=2, epochs=None),
-                              args.steps + 1)
-    mbs = [lengths[idx].tolist() for k, idx in enumerate(stream) if k in set(ks)]
+    lengths = demo_lengths(args)
+    mbs = [lengths[idx].tolist() for k, idx in enumerate(demo_minibatches(args, lengths, args.warm + args.steps))
+           if k in set(ks)]
     return {"ratio": ratio, "ceiling": ceiling(replay(mbs, args.ranks, args.max_tokens, cost)), "minibatches": len(ks)}
 
 
@@ -199,6 +241,8 @@ def main(argv: list[str]) -> int:
     print(f"demo: calibrated cost (s): a={cost.a:.3g} per s^2, b={cost.b:.3g} per token, c={cost.c:.3g} per "
           f"microbatch; attention is {cost.attention_share(args.max_tokens):.0%} of a {args.max_tokens}-token "
           f"sample's compute (without c)", flush=True)
+    args.warm = 1  # (the data do not depend on it: --samples fixes them)
+    args.warm = warm_minibatches(args, demo_lengths(args), cost)
     status = train(train_argv(args, cost))
     if status:
         return status
