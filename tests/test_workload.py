@@ -140,3 +140,23 @@ def test_paired_bootstrap_against_a_direct_resampling():
     p, plo, phi = pooled_ratio(sa, ta, sb, tb)
     assert p == pytest.approx((12 / 4.0) / (12 / 6.0)) and plo <= p <= phi
     assert bootstrap(lambda i: 1.0, 1) == (1.0, 1.0, 1.0)
+
+
+def test_demo_warm_up_compiles_every_timed_row_shape():
+    from jaxodc.cli import demo
+    args = demo._args(["--steps", "6", "--max-tokens", "1024", "--min-bucket", "128", "--samples", "256"])
+    lengths = demo.demo_lengths(args)
+    assert len(lengths) == 256 and lengths.max() <= 1024
+    cost = CostModel(1e-9, 1e-6, 1e-3)
+    warm = demo.warm_minibatches(args, lengths, cost)
+    mbs = demo.demo_minibatches(args, lengths, warm + args.steps)
+    shapes = [demo.row_shapes(args, lengths, idx, cost) for idx in mbs]
+    timed = set().union(*shapes[warm:])
+    assert timed <= set().union(*shapes[:warm])
+    assert warm == 1 or not timed <= set().union(*shapes[:warm - 1])  # the fewest that do
+    # ODC rows follow each microbatch's own bucket; the collective's the step's largest
+    assert {T for _, _, T in timed} <= {128, 256, 512, 1024}
+    args.warm = warm
+    argv = demo.train_argv(args, cost)
+    assert argv[argv.index("--warmup") + 1] == str(warm) and argv[argv.index("--steps") + 1] == str(warm + 6)
+    assert argv[argv.index("--cost") + 1] == "1e-09,1e-06,0.001"

@@ -50,6 +50,7 @@ def _args(argv):
     p.add_argument("--sites", action="store_true", help="one job across 3 sites with a site killed and one joining")
     p.add_argument("--outer-steps", type=int, default=30, help="--sites: outer steps of the job")
     p.add_argument("--inner-steps", type=int, default=8, help="--sites: inner minibatches per outer step (H)")
+    p.set_defaults(warm=1)  # warm-up minibatches: main sets it (warm_minibatches)
     return p.parse_args(argv)
 
 
@@ -159,8 +160,11 @@ def real_run_figures(args, cost) -> dict:
         by: dict = {}
         for r in recs:
             by.setdefault(r.step, []).append(r)
-        span[name] = {k: (sum(r.samples for r in g), max(r.t_end for r in g) - min(r.t_start for r in g))
-                      for k, g in by.items()}
+        # a minibatch's time runs to the next one's start (the last: to its end), so the times add up
+        # to the run's wall time, which `jaxodc train`'s report divides by
+        ks = sorted(by)
+        start = [min(r.t_start for r in by[k]) for k in ks] + [max(r.t_end for r in by[ks[-1]])]
+        span[name] = {k: (sum(r.samples for r in by[k]), start[i + 1] - start[i]) for i, k in enumerate(ks)}
     odc, coll = span["odc + lb_mini"], span["collective + lb_micro"]
     ks = sorted(set(odc) & set(coll))
     ratio = pooled_ratio([odc[k][0] for k in ks], [odc[k][1] for k in ks], [coll[k][0] for k in ks],
@@ -241,7 +245,6 @@ def main(argv: list[str]) -> int:
     print(f"demo: calibrated cost (s): a={cost.a:.3g} per s^2, b={cost.b:.3g} per token, c={cost.c:.3g} per "
           f"microbatch; attention is {cost.attention_share(args.max_tokens):.0%} of a {args.max_tokens}-token "
           f"sample's compute (without c)", flush=True)
-    args.warm = 1  # (the data do not depend on it: --samples fixes them)
     args.warm = warm_minibatches(args, demo_lengths(args), cost)
     status = train(train_argv(args, cost))
     if status:
