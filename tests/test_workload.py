@@ -160,3 +160,13 @@ def test_demo_warm_up_compiles_every_timed_row_shape():
     argv = demo.train_argv(args, cost)
     assert argv[argv.index("--warmup") + 1] == str(warm) and argv[argv.index("--steps") + 1] == str(warm + 6)
     assert argv[argv.index("--cost") + 1] == "1e-09,1e-06,0.001"
+
+
+def test_train_cli_cost_option():
+    import argparse
+    from jaxodc.cli.train import cost_of
+    assert cost_of(argparse.Namespace(cost="1e-9,2e-6,0.001", d_model=64)) == CostModel(1e-9, 2e-6, 1e-3)
+    assert cost_of(argparse.Namespace(cost="", d_model=64)) == CostModel.for_transformer(64)
+    for bad in ("x,1,2", "1,2,3,4", "1,-2,3"):
+        with pytest.raises(ValueError, match="--cost|CostModel"):
+            cost_of(argparse.Namespace(cost=bad, d_model=64))
