@@ -47,7 +47,8 @@ def _args(argv):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
     p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (medians over these)")
-    p.add_argument("--block-samples", type=int, default=4, help="samples per rank per minibatch size per repetition")
+    p.add_argument("--block-samples", type=int, default=8,
+                   help="samples per rank per minibatch size per repetition (minibatch 4: 2 minibatches)")
     p.add_argument("--calib-reps", type=int, default=3, help="timings per bucket per calibration")
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--pool", type=int, default=512, help="samples drawn from the preset")
