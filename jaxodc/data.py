@@ -17,7 +17,12 @@ simulator's collective LB-Micro / ODC LB-Mini bubble rates at 8 devices under th
 model land near the paper's Tables 4 and 6 (longalign, 8 devices, minibatch 1/2/4/8:
 collective LB-Micro 68/51/31/19 %, ODC LB-Mini 68/46/8.7/0.4 %, vs the paper's 67/53/35/22 and
 67/49/15/0.02; at 32 devices and minibatch 4: 36 % vs 13 %, paper 36 % vs 11 %). They are
-stand-ins for the real datasets, not fits to them."""
+stand-ins for the real datasets, not fits to them.
+
+`jaxodc demo` and `bench train` scale them to max_len 2048 (longalign: median ~570 tokens, mean
+~730, ~4% of samples at 2048; swe: median ~660), long enough that with their d_model 64 model
+attention is most of a longest sample's compute (b/a = 12 d = 768 < 2048); `bench scale` keeps the
+paper's lengths (`paper_max`) for its cost model and runs rows of at most 128 real tokens."""
 from __future__ import annotations
 
 import json

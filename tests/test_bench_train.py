@@ -99,6 +99,9 @@ def test_summarize_arithmetic():
     assert by[("odc+lb_steal / odc+lb_mini samples/s", 1)]["pooled"] == pytest.approx(2.0)
     assert (steal["steals"], steal["minibatches_with_steals"], mini["minibatches_with_steals"]) == (1, 1, 0)
     assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["pass"] is None  # bar only at minibatch 4
+    # 2x in every repetition: the paired bootstrap's 95% interval collapses onto it
+    assert by[("odc+lb_mini / collective+lb_micro samples/s", 1)]["ci95"] == pytest.approx([2.0, 2.0])
+    assert all(r["end_s"] is None and r["ceiling"] is None for r in rows)  # records without end_s, no run config
 
 
 def test_injected_bars_take_the_whole_run():
@@ -182,3 +185,30 @@ def test_straggle_predict_orders_its_bounds():
     for p in got.values():
         assert p["steal"] <= p["clairvoyant"] * (1 + 1e-9) <= p["fluid"] * (1 + 1e-9), p
     assert got["factor=2,rank=1,window=0:100,seed=0"]["steal"] > 1.1
+
+
+def test_ceilings_replay_the_runs_own_minibatches():
+    """`ceiling` is the simulator's odc+lb_mini / collective+lb_micro time ratio over exactly the
+    minibatches the run drew (every repetition's), with the run's calibrated ODC cost model."""
+    import numpy as np
+    from jaxodc.balance.cost import CostModel
+    from jaxodc.balance.plan import make_plan
+    from jaxodc.balance.simulate import plan_times
+    from jaxodc.bench.train import _args, ceilings
+    from jaxodc.data import synthetic_text
+    cfg = {k: v for k, v in vars(_args(["--reps", "2", "--minibatch", "2,4", "--pool", "64", "--max-tokens", "256",
+                                        "--block-samples", "4"])).items() if k not in ("worker", "out")}
+    cost = [1e-9, 2e-6, 1e-4]
+    got = ceilings({"config": cfg, "cost": cost, "records": [{"rank": 0}, {"rank": 1}]})
+    lengths = synthetic_text("longalign", 64, 256, seed=1, min_len=8).lengths
+    model = CostModel(*cost)
+    for mb in (2, 4):
+        t = {"odc": 0.0, "collective": 0.0}
+        for rep in range(2):  # bench train's draw: ceil(block / mb) minibatches of W * mb samples
+            k = -(-4 // mb)
+            idx = np.random.default_rng([0, rep, mb]).choice(64, size=k * 2 * mb, replace=False)
+            for i in range(k):
+                lens = lengths[idx[i * 2 * mb:(i + 1) * 2 * mb]].tolist()
+                t["odc"] += plan_times(make_plan("lb_mini", lens, 2, 256, model), model, "odc")[0]
+                t["collective"] += plan_times(make_plan("lb_micro", lens, 2, 256, model), model, "collective")[0]
+        assert got[mb] == pytest.approx(t["collective"] / t["odc"]) and got[mb] >= 1.0

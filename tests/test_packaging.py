@@ -45,8 +45,10 @@ def test_pip_install_in_a_fresh_venv_and_the_demo_runs_elsewhere(tmp_path):
     (work / "models").mkdir()
     (work / "models" / "__init__.py").write_text("raise ImportError('the user models package was imported')\n")
     out = _run([str(venv / "bin" / "jaxodc"), "demo", "--steps", "1", "--minibatch", "2", "--max-tokens", "128",
-                "--d-model", "32", "--layers", "1", "--out", "demo_out"], str(work), 600,
+                "--d-model", "32", "--layers", "1", "--scale-minibatches", "1", "--out", "demo_out"], str(work), 600,
                env={"PYTHONPATH": "", "JAX_PLATFORMS": "cpu"})
     assert "samples/s" in out and "odc" in out, out
+    assert "ODC + LB-Mini vs collective + LB-Micro:" in out and "(ceiling " in out, out
+    assert "8 ranks, emulated compute: ODC + LB-Mini vs collective + LB-Micro:" in out, out
     assert (work / "demo_out" / "demo.json").stat().st_size > 0
     assert (work / "demo_out" / "demo_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -31,6 +31,27 @@ class CostModel:
     def for_transformer(cls, d_model: int) -> "CostModel":
         return cls(a=1.0, b=12.0 * d_model)
 
+    @classmethod
+    def for_flops(cls, params: float, layers: int, d_model: int, flops_per_s: float) -> "CostModel":
+        """Seconds of one training step (forward + backward) of a dense causal decoder on a device
+        sustaining `flops_per_s`: 6 FLOPs per parameter per token (b) and, per layer, 6*d*s per
+        token of causal attention over a sample of length s (a = 6 * layers * d_model: QK^T and
+        AV at 2*d FLOPs each per key, half the keys under the causal mask, x3 for backward)."""
+        if not all(x > 0 for x in (params, layers, d_model, flops_per_s)):
+            raise ValueError(f"for_flops needs positive params, layers, d_model, flops_per_s; got "
+                             f"{params}, {layers}, {d_model}, {flops_per_s}")
+        return cls(a=6.0 * layers * d_model / flops_per_s, b=6.0 * params / flops_per_s)
+
+    def scaled(self, length: float = 1.0, time: float = 1.0) -> "CostModel":
+        """The same costs with lengths measured in units of `length` tokens and times multiplied
+        by `time`: cost'(s) = time * cost(length * s)."""
+        return CostModel(self.a * time * length * length, self.b * time * length, self.c * time)
+
+    def attention_share(self, length: float) -> float:
+        """Fraction of a sample of `length` tokens' cost that is attention: a*s^2 / (a*s^2 + b*s)."""
+        q, n = self.a * length * length, self.b * length
+        return q / (q + n) if q + n > 0 else 0.0
+
     def __call__(self, lengths):
         s = np.asarray(lengths, dtype=np.float64)
         return self.a * s * s + self.b * s

@@ -102,3 +102,28 @@ def simulate(pool: np.ndarray, world: int, minibatch: int, max_tokens: int, cost
                 plans[bal] = make_plan(bal, lens, world, max_tokens, cost)
             acc[m].append(plan_times(plans[bal], cost, comm, actual))
     return {m: bubble_rate(v) for m, v in acc.items()}
+
+
+def replay(minibatches: Iterable[Sequence[int]], world: int, max_tokens: int, cost: CostModel,
+           methods: Sequence[str] = ("collective/lb_micro", "odc/lb_mini")) -> dict[str, dict[str, float]]:
+    """The simulator on given global minibatches (each a list of sample lengths) instead of draws
+    from a pool: per method {"time": summed minibatch times, "bubble": bubble rate}, in the cost
+    model's unit, compute only. What a benchmark prints beside its measurement of the same
+    minibatches; the ceiling of a ratio is `ceiling(out)`."""
+    acc: dict[str, list] = {m: [] for m in methods}
+    for lens in minibatches:
+        plans: dict[str, Plan] = {}
+        for m in methods:
+            comm, bal = m.split("/")
+            if bal not in plans:
+                plans[bal] = make_plan(bal, [int(x) for x in lens], world, max_tokens, cost)
+            acc[m].append(plan_times(plans[bal], cost, comm))
+    return {m: {"time": float(sum(t for t, _ in v)), "bubble": bubble_rate(v)} for m, v in acc.items()}
+
+
+def ceiling(replayed: dict[str, dict[str, float]], method: str = "odc/lb_mini",
+            baseline: str = "collective/lb_micro") -> float:
+    """Speed-up of `method` over `baseline` the simulator predicts (compute only): the ratio of
+    their summed minibatch times on the same minibatches."""
+    t = replayed[method]["time"]
+    return replayed[baseline]["time"] / t if t > 0 else float("nan")

@@ -7,6 +7,7 @@ import sys
 BENCHMARKS = {
     "primitives": "jaxodc.bench.primitives",
     "train": "jaxodc.bench.train",
+    "scale": "jaxodc.bench.scale",
     "models": "jaxodc.bench.models",
     "allreduce": "jaxodc.bench.allreduce",
     "sketch": "jaxodc.bench.sketch",

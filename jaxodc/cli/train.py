@@ -75,6 +75,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--layers", type=int, default=2)
     a("--heads", type=int, default=4)
     a("--kv-heads", type=int, default=0, help="llama: key/value heads (grouped-query attention; 0: --heads)")
+    a("--cost", default="", help="the balancers' cost model as a,b,c (a*s^2 + b*tokens + c per microbatch, e.g. "
+                                  "calibrated seconds); default: CostModel.for_transformer(--d-model)")
     a("--lr", type=float, default=3e-3, help="adam learning rate")
     a("--clip", type=float, default=1.0, help="global-norm gradient clipping (0: off)")
     a("--seed", type=int, default=0, help="parameter init seed")
@@ -164,10 +166,22 @@ def check_args(args) -> None:
     parse_compression(args.compress)  # a bad setting fails here, naming it
     from jaxodc.train.straggle import parse_straggle
     parse_straggle(args.straggle)
+    cost_of(args)
     if args.link_mbps < 0 or args.link_ms < 0:
         raise ValueError("--link-mbps and --link-ms must be >= 0")
     if (args.link_mbps or args.link_ms) and args.transport != "tcp":
         raise ValueError("--link-mbps / --link-ms emulate ODC's tcp transport: add --transport tcp")
+
+
+def cost_of(args):
+    """The balancers' CostModel: --cost a,b,c, or the transformer default for --d-model."""
+    from jaxodc.balance.cost import CostModel
+    if not args.cost:
+        return CostModel.for_transformer(args.d_model)
+    try:
+        return CostModel(*(float(x) for x in args.cost.split(",")))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--cost {args.cost!r}: expected three numbers a,b,c >= 0 ({e})") from None
 
 
 def check_writable_dir(path: str, flag: str) -> None:
@@ -358,7 +372,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     odc_kwargs = {"transport": args.collective_transport} if comm != "odc" else {
         "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
-                      cost=CostModel.for_transformer(args.d_model), ctx=ctx, min_bucket=args.min_bucket or None,
+                      cost=cost_of(args), ctx=ctx, min_bucket=args.min_bucket or None,
                       compress=parse_compression(args.compress), precision=args.precision,
                       straggle=parse_straggle(args.straggle), **odc_kwargs)
     with trainer:

@@ -31,6 +31,14 @@ microbatch's injected seconds. "Compute time" is the microbatch's measured wall 
 compilation (a first call would otherwise sleep (factor-1) x its compile time); under
 comm="collective" it includes waiting inside the lock-step collectives, as its intervals do.
 
+Emulated compute (`emulate`): bench scale runs W = 8..32 ranks on a host of a few cores, where a
+microbatch's compute is its modelled accelerator time. `emulate[i]` holds the modelled seconds of
+sample i of the minibatch (per-minibatch, like `pinned`); a microbatch identified by its samples
+then also sleeps their sum (plus `emulate_c` per microbatch), on whichever rank runs it, and the
+slowdowns above multiply that as they multiply the measured compute. All-padding microbatches
+(identified by position) add nothing. The sleep is the same one: the recorded interval and
+`straggle_s` include it.
+
 Injection changes only timing (and, under LB-Steal, which rank runs what), never the math: the
 trained result stays the same up to fp32 summation order.
 """
@@ -64,6 +72,10 @@ class Straggle:
       seed: the seed of the random slowdowns (>= 0).
       pinned: the minibatch number the slowdowns key on instead of the trainer's step (None:
         the step); not part of `spec()`.
+      emulate: modelled compute seconds of each sample of the minibatch (indexed like a
+        microbatch identity's sample ids), slept on top of the measured compute; None: none.
+        Not part of `spec()`.
+      emulate_c: modelled seconds added per emulated microbatch.
     """
 
     p: float = 0.0
@@ -73,6 +85,8 @@ class Straggle:
     window: tuple[int, int] | None = None
     seed: int = 0
     pinned: int | None = None
+    emulate: tuple[float, ...] | None = None
+    emulate_c: float = 0.0
 
     def __post_init__(self):
         bad = lambda field, why: ValueError(f"straggle {field}: {why}")  # noqa: E731
@@ -90,6 +104,10 @@ class Straggle:
             raise bad("window", f"minibatches start:stop with 0 <= start < stop, got {self.window!r}")
         if self.seed < 0:
             raise bad("seed", f"an integer >= 0, got {self.seed!r}")
+        if self.emulate is not None and not all(math.isfinite(x) and x >= 0 for x in self.emulate):
+            raise bad("emulate", "finite seconds >= 0 per sample")
+        if not (math.isfinite(self.emulate_c) and self.emulate_c >= 0):
+            raise bad("emulate_c", f"finite seconds >= 0, got {self.emulate_c!r}")
 
     @classmethod
     def default(cls) -> "Straggle":
@@ -131,6 +149,17 @@ class Straggle:
         """How many of the rank-level kinds (at random, the window) throttle `rank` in minibatch `step`."""
         window = self.rank == rank and self.window[0] <= self._step(step) < self.window[1]
         return int(window) + self._draw(step, ("rank", int(rank)), self.rank_p)
+
+    def emulated(self, identity: tuple) -> float:
+        """Modelled seconds of microbatch `identity` (0 without `emulate`, or for an all-padding
+        one). Raises IndexError naming the sample when `emulate` does not cover it."""
+        if self.emulate is None or identity[0] != "samples":
+            return 0.0
+        bad = [i for i in identity[1] if not 0 <= i < len(self.emulate)]
+        if bad:
+            raise IndexError(f"straggle emulate: sample {bad[0]} of microbatch {identity[1]} is not among the "
+                             f"minibatch's {len(self.emulate)} samples")
+        return self.emulate_c + sum(self.emulate[i] for i in identity[1])
 
     def slowdown(self, step: int, rank: int, identity: tuple) -> float:
         """How many times its compute time microbatch `identity` of minibatch `step` takes on `rank`."""
@@ -208,7 +237,8 @@ def stall(straggle: Straggle | None, res, step: int, rank: int, identity: tuple,
     if straggle is None:
         return
     compute = max(time.perf_counter() - t0 - (compile_seconds() - compiled0), 0.0)
-    delay = (straggle.slowdown(step, rank, identity) - 1.0) * compute
+    emulated = straggle.emulated(identity)
+    delay = straggle.slowdown(step, rank, identity) * (compute + emulated) - compute
     if delay > 0:
         time.sleep(delay)
     res.straggle_s.append(delay)
