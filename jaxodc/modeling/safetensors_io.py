@@ -111,13 +111,13 @@ def read_range(entry: TensorEntry, lo: int, hi: int, out: np.ndarray, f=None) ->
             f = open(entry.file, "rb")
         f.seek(entry.start + lo * src.itemsize)
         if out.dtype == src and out.flags.c_contiguous:
-            _read_exact(f, memoryview(out).cast("B"), entry)
+            _read_exact(f, memoryview(out.view(np.uint8)), entry)
             return
         step = max(1, STAGE_BYTES // src.itemsize)
         stage = np.empty(min(step, hi - lo), src)
         for a in range(0, hi - lo, step):
             b = min(a + step, hi - lo)
-            _read_exact(f, memoryview(stage[:b - a]).cast("B"), entry)
+            _read_exact(f, memoryview(stage[:b - a].view(np.uint8)), entry)
             out[a:b] = stage[:b - a]
     except OSError as e:
         raise CheckpointError(f"cannot read tensor {entry.name!r} from {entry.file}: {e.strerror or e}") from e
@@ -164,7 +164,7 @@ def create_file(path: str, head: bytes, size: int) -> None:
 def write_range(fd: int, start: int, lo: int, values: np.ndarray) -> None:
     """Writes `values` (already in the tensor's dtype) as elements [lo, lo + len) of the tensor
     whose bytes begin at `start` of the open file descriptor `fd`."""
-    data = memoryview(np.ascontiguousarray(values)).cast("B")
+    data = memoryview(np.ascontiguousarray(values).view(np.uint8))
     pos = start + lo * values.dtype.itemsize
     while len(data):
         n = os.pwrite(fd, data, pos)
