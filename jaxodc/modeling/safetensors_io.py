@@ -29,7 +29,7 @@ DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dt
           "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20          # the safetensors library's own bound on the header
-STAGE_BYTES = 16 << 20          # staging buffer of a converting read
+STAGE_BYTES = 1 << 20           # staging buffer of a converting read (small: it stays in cache)
 
 
 class CheckpointError(ValueError):
@@ -115,10 +115,14 @@ def read_range(entry: TensorEntry, lo: int, hi: int, out: np.ndarray, f=None) ->
             return
         step = max(1, STAGE_BYTES // src.itemsize)
         stage = np.empty(min(step, hi - lo), src)
+        widen = src == DTYPES["BF16"] and out.dtype == np.float32 and out.flags.c_contiguous
         for a in range(0, hi - lo, step):
             b = min(a + step, hi - lo)
             _read_exact(f, memoryview(stage[:b - a].view(np.uint8)), entry)
-            out[a:b] = stage[:b - a]
+            if widen:  # bf16 is the top half of an fp32: a shift, exact and faster than a cast
+                np.left_shift(stage[:b - a].view(np.uint16), 16, out=out[a:b].view(np.uint32), dtype=np.uint32)
+            else:
+                out[a:b] = stage[:b - a]
     except OSError as e:
         raise CheckpointError(f"cannot read tensor {entry.name!r} from {entry.file}: {e.strerror or e}") from e
     finally:
