@@ -5,7 +5,6 @@ bf16 checkpoints; export -> reload bit-exact (ours, safetensors', transformers')
 per bad checkpoint; training a loaded model at 2 ranks (ODC, collective) against single-process."""
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -20,6 +19,8 @@ from jaxodc.modeling.llama import plain_batch
 from jaxodc.modeling.safetensors_io import CheckpointError
 from jaxodc.modeling.synthetic import tiny_config, write_checkpoint
 from jaxodc.train.units import _path_str, flatten_unit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {
     "llama3": dict(family="llama", llama3_scaling=True, rope_theta=500000.0),
@@ -65,6 +66,7 @@ def test_logits_equal_numpy_reference(tmp_path, name, attention):
     assert_close(ours, hf_reference.logits(doc, tensors_of(str(tmp_path)), toks))
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_logits_equal_transformers_flax(tmp_path, family):
     """transformers' Flax Llama / Mistral (rope theta 10000, no scaling: what they implement) read
@@ -341,6 +343,7 @@ def train_loaded(ctx, d, comm, out):
     return losses, full
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("comm", ["odc", "collective"])
 def test_train_loaded_model_two_ranks_equals_single_process(tmp_path, comm):
     from harness import run_ranks
@@ -359,3 +362,50 @@ def test_train_loaded_model_two_ranks_equals_single_process(tmp_path, comm):
     exported = leaves_by_path(load_hf(out).params())  # written rank by rank, read back exactly
     got = leaves_by_path(results[0][1])
     assert exported.keys() == got.keys() and all(np.array_equal(exported[k], got[k]) for k in got)
+
+
+# --------------------------------------------------------------------------- the command
+
+@pytest.mark.timeout(600)
+def test_cli_train_hf_model_and_export(tmp_path, capsys):
+    """`jaxodc train --model hf:DIR --export-hf OUT` on 2 ranks: the export holds exactly the
+    trained parameters (the same run's Flax msgpack export) in the checkpoint's dtype; bad uses
+    are refused before any rank starts."""
+    import subprocess
+    import sys
+    from jaxodc.cli.train import main
+    from jaxodc.train.export import read
+    d, out, mp = tmp_path / "ck", tmp_path / "out", tmp_path / "p.msgpack"
+    write_checkpoint(str(d), tiny_config("llama", vocab=256, hidden=32, layers=2), seed=9)
+    assert main(["--export-hf", str(out)]) == 2 and "needs --model hf:DIR" in capsys.readouterr().err
+    assert main(["--model", f"hf:{tmp_path / 'nope'}"]) == 2 and "not a directory" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "jaxodc", "train", "--model", f"hf:{d}", "--ranks", "2", "--comm", "odc",
+                        "--steps", "2", "--minibatch", "2", "--max-tokens", "32", "--export-hf", str(out),
+                        "--export", str(mp)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Hugging Face export:" in r.stdout and "minibatch 1: loss" in r.stdout, r.stdout
+    trained = leaves_by_path(read(str(mp)))
+    again = leaves_by_path(load_hf(str(out)).params())
+    assert again.keys() == {k for k in trained} and all(np.array_equal(again[k], trained[k]) for k in trained)
+    assert not all(np.array_equal(again[k], v) for k, v in leaves_by_path(load_hf(str(d)).params()).items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_load_smoke(tmp_path):
+    """`jaxodc bench load` on a small checkpoint: one record per W with the issue's fields, and
+    each rank's loading peak within the memory bar (the time bar needs a quiet machine)."""
+    import subprocess
+    import sys
+    js = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, "-m", "jaxodc", "bench", "load", "--gb", "0.03", "--ranks", "1,2",
+                        "--json", str(js)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.load(open(js))
+    assert [row["ranks"] for row in rows] == [1, 2]
+    for row in rows:
+        assert {"ranks", "checkpoint_bytes", "master_bytes", "peak_rss", "load_s", "baseline_s"} <= set(row)
+        assert row["checkpoint_bytes"] >= 0.03e9 and row["master_bytes"] >= 2 * row["checkpoint_bytes"] * 0.99
+        assert row["peak_rss"] <= 1.25 * row["master_bytes"] / row["ranks"] + 300 * (1 << 20), row
