@@ -53,7 +53,6 @@ def _status_bytes(key: str) -> int:
 
 def rank_main(a) -> int:
     """One rank: set up (headers, layout), signal ready, wait for go, load its shards, report."""
-    import numpy as np  # noqa: F401
     from jaxodc.modeling.hf_load import load_hf
     from jaxodc.train.discover import discover_units
     ck = load_hf(a.dir)

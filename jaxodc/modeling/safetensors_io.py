@@ -27,7 +27,7 @@ import numpy as np
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
           "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
-NAMES = {v: k for k, v in DTYPES.items()}
+TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # config.json's torch_dtype -> ours
 MAX_HEADER = 100 << 20          # the safetensors library's own bound on the header
 STAGE_BYTES = 1 << 20           # staging buffer of a converting read (small: it stays in cache)
 

@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxodc.modeling.safetensors_io import DTYPES
-
-TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+from jaxodc.modeling.safetensors_io import DTYPES, TORCH_DTYPES
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
@@ -68,11 +66,10 @@ def tensor_shapes(doc: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_checkpoint(directory: str, doc: dict, *, seed: int = 0, max_shard_bytes: int = 5 << 30,
-                     scale: float = 0.5) -> dict[str, np.ndarray]:
+                     scale: float = 0.5) -> None:
     """Writes config.json and random tensors (in doc["torch_dtype"]) to `directory`: one
     model.safetensors, or shards plus model.safetensors.index.json when they exceed
-    `max_shard_bytes`. Norm weights are drawn around 1. Returns nothing big: {} (the tensors
-    are generated and written one shard at a time)."""
+    `max_shard_bytes`, one shard in memory at a time. Norm weights are drawn around 1."""
     import safetensors.numpy
     dtype = DTYPES[TORCH_DTYPES[doc.get("torch_dtype", "float32")]]
     os.makedirs(directory, exist_ok=True)
@@ -106,7 +103,6 @@ def write_checkpoint(directory: str, doc: dict, *, seed: int = 0, max_shard_byte
     if len(groups) > 1:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    return {}
 
 
 def main(argv=None) -> int:
