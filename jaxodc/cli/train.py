@@ -247,8 +247,10 @@ def hf_model_of(args, world: int, comm: str):
     return ckpt.program(world, comm=comm, max_tokens=args.max_tokens), ckpt.abstract_params()
 
 
-def check_hf(args) -> None:
-    """--model hf:DIR / --export-hf: the checkpoint's headers checked before any rank starts."""
+def check_hf(args, full: bool) -> None:
+    """--model hf:DIR / --export-hf: the checkpoint checked before any rank starts; `full`: every
+    tensor against the model (this traces it, so not in a rank process, whose jax must first
+    join jax.distributed), else config.json and the files' headers."""
     if args.export_hf and not hf_dir(args):
         raise ValueError("--export-hf writes a Hugging Face checkpoint: it needs --model hf:DIR")
     if not hf_dir(args):
@@ -256,8 +258,14 @@ def check_hf(args) -> None:
     from jaxodc.cli import sites
     if sites.enabled(args):
         raise ValueError("--model hf:DIR trains within one site; --groups / --coord do not take it yet")
-    from jaxodc.modeling.hf_load import load_hf
-    cfg = load_hf(hf_dir(args)).config
+    if full:
+        from jaxodc.modeling.hf_load import load_hf
+        cfg = load_hf(hf_dir(args)).config
+    else:
+        from jaxodc.modeling.hf_config import read_config
+        from jaxodc.modeling.hf_load import index_tensors
+        cfg = read_config(hf_dir(args))
+        index_tensors(hf_dir(args))
     if not (args.data and args.data.endswith(".jsonl")) and cfg.vocab < 256:
         raise ValueError(f"--model {args.model}: vocab_size {cfg.vocab} < 256, and the data here are byte-level "
                          f"tokens (0..255)")
@@ -466,7 +474,7 @@ def main(argv: list[str]) -> int:
                 straggle.check_world(args.ranks)
         if args.export:
             check_writable_dir(os.path.dirname(os.path.abspath(args.export)), "--export")
-        check_hf(args)
+        check_hf(args, full=not (launched or args.worker))
         if args.export_hf:
             check_writable_dir(os.path.abspath(args.export_hf), "--export-hf")
         from jaxodc.cli import sites
