@@ -379,16 +379,19 @@ def test_cli_train_hf_model_and_export(tmp_path, capsys):
     write_checkpoint(str(d), tiny_config("llama", vocab=256, hidden=32, layers=2), seed=9)
     assert main(["--export-hf", str(out)]) == 2 and "needs --model hf:DIR" in capsys.readouterr().err
     assert main(["--model", f"hf:{tmp_path / 'nope'}"]) == 2 and "not a directory" in capsys.readouterr().err
-    r = subprocess.run([sys.executable, "-m", "jaxodc", "train", "--model", f"hf:{d}", "--ranks", "2", "--comm", "odc",
+    r = subprocess.run([sys.executable, "-m", "jaxodc", "train", "--model", f"hf:{d}", "--ranks", "2",
+                        "--comm", "odc,collective",
                         "--steps", "2", "--minibatch", "2", "--max-tokens", "32", "--export-hf", str(out),
                         "--export", str(mp)], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Hugging Face export:" in r.stdout and "minibatch 1: loss" in r.stdout, r.stdout
-    trained = leaves_by_path(read(str(mp)))
-    again = leaves_by_path(load_hf(str(out)).params())
-    assert again.keys() == {k for k in trained} and all(np.array_equal(again[k], trained[k]) for k in trained)
-    assert not all(np.array_equal(again[k], v) for k, v in leaves_by_path(load_hf(str(d)).params()).items())
+    start = leaves_by_path(load_hf(str(d)).params())
+    for run in ("odc-lb_mini", "collective-lb_micro"):  # one export of each kind per run
+        trained = leaves_by_path(read(str(tmp_path / f"p.{run}.msgpack")))
+        again = leaves_by_path(load_hf(str(out / run)).params())
+        assert again.keys() == trained.keys() and all(np.array_equal(again[k], trained[k]) for k in trained), run
+        assert not all(np.array_equal(again[k], v) for k, v in start.items()), run
 
 
 @pytest.mark.slow
