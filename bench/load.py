@@ -153,6 +153,8 @@ def main(argv=None) -> int:
             rss_bar = 1.25 * master / world + 300 * MiB
             rows.append({"ranks": world, "checkpoint_bytes": ckpt_bytes, "master_bytes": master, "peak_rss": peak,
                          "load_s": load_s, "baseline_s": base, "peak_rss_ranks": [r["peak_rss"] for r in ranks],
+                         "rank_load_s": [r["t1"] - r["t0"] for r in ranks],
+                         "rank_start_s": [r["t0"] - min(q["t0"] for q in ranks) for r in ranks],
                          "rss_bar": int(rss_bar), "rss_ok": peak <= rss_bar, "time_ok": load_s <= 1.5 * base})
         write_records(a.json, rows)
         print_table([{**r, "peak_rss_MiB": r["peak_rss"] / MiB, "bar_MiB": r["rss_bar"] / MiB,
