@@ -13,6 +13,7 @@ BENCHMARKS = {
     "sketch": "jaxodc.bench.sketch",
     "diloco": "jaxodc.bench.diloco",
     "compile": "jaxodc.bench.compile",
+    "load": "jaxodc.bench.load",
 }
 
 

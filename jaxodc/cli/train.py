@@ -6,12 +6,15 @@ models/cnn.py) and --model nnx (the nnx classifier of models/nnx_mlp.py) train o
 8x8 digits, each image a fixed-length sample of 65 tokens (pixels, then the label:
 jaxodc.data.decode_images), so balancing, packing and the trainers are the token path's; a
 microbatch holds --max-tokens / 65 images (default 16) and the loss is the mean over images.
+--model hf:DIR loads a Hugging Face checkpoint directory of the Llama family (jaxodc.modeling),
+each rank reading only its own shards; --export-hf DIR writes the trained model back out as one.
 
     jaxodc train --ranks 2 --comm odc --balance lb_mini --steps 20 --minibatch 4 --max-tokens 256
     jaxodc train --comm collective,odc --balance lb_micro,lb_mini --timeline out.png   # compare
     jaxodc train --checkpoint ckpt --save-every 5 ... ; jaxodc train --checkpoint ckpt --resume ...
     jaxodc train --model llama --export llama.msgpack   # full params, loaded by flax.serialization
     jaxodc train --model cnn --comm odc,collective      # BatchNorm CNN on the digits
+    jaxodc train --model hf:DIR --export-hf OUT         # a Hugging Face checkpoint in, and out again
 
 Without `jaxodc launch` around it, the command starts --ranks local rank processes itself (one
 compute thread each) and reports when they finish; started by `jaxodc launch -n N -m
@@ -49,13 +52,26 @@ def _precision(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _model_name(text: str) -> str:
+    """--model's value: one of MODELS or hf:DIR."""
+    if text in MODELS or (text.startswith("hf:") and len(text) > 3):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(MODELS)}, or hf:DIR)")
+
+
+def hf_dir(args) -> str | None:
+    """The checkpoint directory of --model hf:DIR, else None."""
+    return args.model[3:] if args.model.startswith("hf:") else None
+
+
 def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small model with the sharded trainer.")
     a = p.add_argument
-    a("--model", default="lm", choices=MODELS, help="lm: the unit-staged LM (models/lm.py); llama: the linen "
+    a("--model", default="lm", type=_model_name, help="lm: the unit-staged LM (models/lm.py); llama: the linen "
                                                     "Llama (models/llama.py) through linen_loss_fn; cnn: the linen "
                                                     "BatchNorm CNN (models/cnn.py) and nnx: the nnx classifier "
-                                                    "(models/nnx_mlp.py), both on sklearn's 8x8 digits")
+                                                    "(models/nnx_mlp.py), both on sklearn's 8x8 digits; hf:DIR "
+                                                    "a Hugging Face checkpoint directory (Llama, Mistral, Qwen2)")
     a("--ranks", type=int, default=2, help="local ranks to start (ignored under jaxodc launch)")
     a("--comm", default="odc", help="odc, collective, or a comma list to compare runs")
     a("--balance", default=None, help="local_sort, lb_micro, lb_mini or lb_steal (comma list per run); "
@@ -102,6 +118,9 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--save-every", type=int, default=0, help="also save every N minibatches (default: at the end only)")
     a("--export", metavar="PATH", help="write the trained full parameters as a Flax msgpack file (load with "
                                        "flax.serialization.msgpack_restore; one file per run when comparing)")
+    a("--export-hf", metavar="DIR", help="--model hf: write the trained model as a Hugging Face directory "
+                                         "(config.json, safetensors shards, index; one sub-directory per run "
+                                         "when comparing)")
     a("--timeline", metavar="PNG", help="per-rank Gantt chart of compute vs idle")
     a("--json", metavar="PATH", help="write every rank's per-minibatch records here")
     a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
@@ -173,11 +192,12 @@ def check_args(args) -> None:
         raise ValueError("--link-mbps / --link-ms emulate ODC's tcp transport: add --transport tcp")
 
 
-def cost_of(args):
-    """The balancers' CostModel: --cost a,b,c, or the transformer default for --d-model."""
+def cost_of(args, width: int | None = None):
+    """The balancers' CostModel: --cost a,b,c, or the transformer default for the model's width
+    (`width`, else --d-model)."""
     from jaxodc.balance.cost import CostModel
     if not args.cost:
-        return CostModel.for_transformer(args.d_model)
+        return CostModel.for_transformer(width or args.d_model)
     try:
         return CostModel(*(float(x) for x in args.cost.split(",")))
     except (TypeError, ValueError) as e:
@@ -263,6 +283,44 @@ def export_path(args, run: tuple[str, str], n_runs: int) -> str | None:
         return args.export
     stem, ext = os.path.splitext(args.export)
     return f"{stem}.{run[0]}-{run[1]}{ext}"
+
+
+def hf_model_of(args, world: int, comm: str):
+    """(program, abstract params) of --model hf:DIR for `world` ranks under `comm`: each rank's
+    shards are read from the files when the trainer starts."""
+    from jaxodc.modeling.hf_load import load_hf
+    ckpt = load_hf(hf_dir(args))
+    return ckpt.program(world, comm=comm, max_tokens=args.max_tokens), ckpt.abstract_params()
+
+
+def check_hf(args, full: bool) -> None:
+    """--model hf:DIR / --export-hf: the checkpoint checked before any rank starts; `full`: every
+    tensor against the model (this traces it, so not in a rank process, whose jax must first
+    join jax.distributed), else config.json and the files' headers."""
+    if args.export_hf and not hf_dir(args):
+        raise ValueError("--export-hf writes a Hugging Face checkpoint: it needs --model hf:DIR")
+    if not hf_dir(args):
+        return
+    from jaxodc.cli import sites
+    if sites.enabled(args):
+        raise ValueError("--model hf:DIR trains within one site; --groups / --coord do not take it yet")
+    if full:
+        from jaxodc.modeling.hf_load import load_hf
+        cfg = load_hf(hf_dir(args)).config
+    else:
+        from jaxodc.modeling.hf_config import read_config
+        from jaxodc.modeling.hf_load import index_tensors
+        cfg = read_config(hf_dir(args))
+        index_tensors(hf_dir(args))
+    if not (args.data and args.data.endswith(".jsonl")) and cfg.vocab < 256:
+        raise ValueError(f"--model {args.model}: vocab_size {cfg.vocab} < 256, and the data here are byte-level "
+                         f"tokens (0..255)")
+
+
+def hf_export_dir(args, run: tuple[str, str], n_runs: int) -> str | None:
+    if not args.export_hf:
+        return None
+    return args.export_hf if n_runs == 1 else os.path.join(args.export_hf, f"{run[0]}-{run[1]}")
 
 
 def model_of(args):
@@ -361,7 +419,8 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     from jaxodc.train.metrics import Progress
 
     comm, balance = run
-    model, params = model_of(args)
+    model, params = hf_model_of(args, ctx.world, comm) if hf_dir(args) else model_of(args)
+    width = model.hf_config.hidden if hf_dir(args) else args.d_model
     opt = optax.adam(args.lr)
     if args.clip > 0:
         opt = optax.chain(clip_by_global_norm(args.clip), opt)
@@ -372,7 +431,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     odc_kwargs = {"transport": args.collective_transport} if comm != "odc" else {
         "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
-                      cost=cost_of(args), ctx=ctx, min_bucket=args.min_bucket or None,
+                      cost=cost_of(args, width), ctx=ctx, min_bucket=args.min_bucket or None,
                       compress=parse_compression(args.compress), precision=args.precision,
                       straggle=parse_straggle(args.straggle), **odc_kwargs)
     with trainer:
@@ -404,6 +463,10 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
         export = export_path(args, run, n_runs)
         if export:
             say(f"{comm:>10} + {balance:<8} export: {trainer.export(export)} (minibatch {trainer.step})")
+        export = hf_export_dir(args, run, n_runs)
+        if export:
+            say(f"{comm:>10} + {balance:<8} Hugging Face export: {trainer.export_hf(export)} "
+                f"(minibatch {trainer.step})")
         return trainer.gather_records(timed)
 
 
@@ -459,6 +522,9 @@ def main(argv: list[str]) -> int:
             straggle = parse_straggle(args.straggle)
             if straggle is not None:
                 straggle.check_world(args.ranks)
+        check_hf(args, full=not (launched or args.worker))
+        if args.export_hf:
+            check_writable_dir(os.path.abspath(args.export_hf), "--export-hf")
         from jaxodc.cli import sites
         sites.check(args)
     except (ValueError, OSError) as e:
@@ -473,7 +539,9 @@ def main(argv: list[str]) -> int:
         fd, tmp = tempfile.mkstemp(prefix="jaxodc_train_", suffix=".json")
         os.close(fd)
         args.json = tmp
-    for k in ("json", "timeline", "checkpoint", "export", "data", "lengths"):  # ranks may start elsewhere
+    if hf_dir(args):
+        args.model = "hf:" + os.path.abspath(hf_dir(args))
+    for k in ("json", "timeline", "checkpoint", "export", "export_hf", "data", "lengths"):  # ranks may start elsewhere
         if getattr(args, k):
             setattr(args, k, os.path.abspath(getattr(args, k)))
     try:

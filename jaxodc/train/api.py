@@ -379,6 +379,18 @@ class Trainer:
         from jaxodc.train.export import export
         return export(self.state, path, metadata={"balance": self.balance, "max_tokens": self.max_tokens})
 
+    def export_hf(self, directory: str, dtype: str | None = None, max_shard_bytes: int | None = None) -> str:
+        """Writes a Hugging Face model directory (config.json, safetensors shards and their index)
+        of a model loaded with `jaxodc.modeling.load_hf`, in the checkpoint's dtype (or `dtype`),
+        each rank writing the ranges it owns (jaxodc.modeling.hf_export); collective, the ranks
+        sharing the directory's filesystem. Returns the absolute directory."""
+        from jaxodc.modeling.hf_export import DEFAULT_SHARD_BYTES, export_hf
+        config = getattr(self.state.program, "hf_config", None)
+        if config is None:
+            raise ValueError("export_hf needs a model loaded from a Hugging Face checkpoint "
+                             "(jaxodc.modeling.load_hf(dir).program(...)); use export() for other models")
+        return export_hf(self.state, directory, config, dtype, max_shard_bytes or DEFAULT_SHARD_BYTES)
+
     def save(self, path: str) -> str:
         """Checkpoint (jaxodc.train.checkpoint); all ranks call it together."""
         return self.state.save(path)
