@@ -12,6 +12,7 @@ BENCHMARKS = {
     "sketch": "jaxodc.bench.sketch",
     "diloco": "jaxodc.bench.diloco",
     "compile": "jaxodc.bench.compile",
+    "fuzz": "jaxodc.bench.fuzz",
 }
 
 
