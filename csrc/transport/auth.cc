@@ -52,10 +52,10 @@ void client_handshake(int fd, const Identity& id, uint32_t rank, double deadline
     tcp::recv_all(fd, proof.data(), proof.size(), deadline, stop, what + " (handshake)");
   } catch (const tcp::TcpError& e) {
     if (e.kind != tcp::ErrKind::kConnection) throw;
-    throw Rejected(what + ": refused by the listener (wrong job secret or job id?): " + e.what());
+    throw Rejected(what + ": authentication refused by the listener (wrong job secret or job id?): " + e.what());
   }
   if (!crypto::digest_equal(proof, tag(id, "server", rank, nonce_s, reply)))
-    throw Rejected(what + ": the listener failed to prove the job secret");
+    throw Rejected(what + ": the listener failed authentication (it could not prove the job secret)");
 }
 
 uint32_t server_handshake(int fd, const Identity& id, uint32_t world, double deadline, const std::atomic<bool>* stop,
