@@ -86,6 +86,9 @@ void Endpoint::close() {
   if (rs) teardown_ring(rs);
   for (auto& h : handlers) h.th.join();
   cv_.notify_all();
+  if (const uint64_t n = auth_rejected.load())
+    std::fprintf(stderr, "jaxodc ring %s: closed; refused %llu connections in all\n", address_.c_str(),
+                 static_cast<unsigned long long>(n));
 }
 
 void Endpoint::accept_loop() {
