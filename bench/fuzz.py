@@ -122,12 +122,14 @@ def _proved(t: Target, s: socket.socket, nonce_s: bytes, reply: bytes) -> bool:
         return True  # any answer to a rank no listener may admit
 
 
-def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool:
-    """Runs one case against `t`; True when it was rejected."""
+def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
+    """Runs one case against `t`; True when it was rejected, None when nothing listens any more."""
     try:
         s = socket.create_connection((t.host, t.port), timeout=10)
+    except ConnectionRefusedError:
+        return None
     except OSError:
-        return True  # refused at accept (its connection budget is full): rejected
+        return True
     with s:
         s.settimeout(10)
         try:
@@ -201,13 +203,15 @@ def _answered_with_proof(s: socket.socket) -> bool:
         return False
 
 
-def fuzz(targets: list[Target], cases_per_listener: int, seed: int = 0, threads: int = 8,
+def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
          stop: threading.Event | None = None) -> None:
-    """Runs `cases_per_listener` cases against every target, spread over its kinds, concurrently."""
+    """Runs `cases` cases (or {listener: cases}) against every target, spread over the kinds of case,
+    all targets at once. Cases that find the listener gone (the job ended) are not counted."""
     work = []
     for i, t in enumerate(targets):
         rng = random.Random(seed * 1000 + i)
-        work += [(t, KINDS[k % len(KINDS)], random.Random(rng.random())) for k in range(cases_per_listener)]
+        n = cases if isinstance(cases, int) else cases[t.listener]
+        work += [(t, KINDS[k % len(KINDS)], random.Random(rng.random())) for k in range(n)]
     random.Random(seed).shuffle(work)
     stale: dict[str, list] = {t.listener + str(t.port): [] for t in targets}
 
@@ -215,7 +219,9 @@ def fuzz(targets: list[Target], cases_per_listener: int, seed: int = 0, threads:
         t, kind, rng = item
         if stop is not None and stop.is_set():
             return
-        t.count(kind, run_case(t, kind, rng, stale[t.listener + str(t.port)]))
+        rejected = run_case(t, kind, rng, stale[t.listener + str(t.port)])
+        if rejected is not None:
+            t.count(kind, rejected)
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, work))
@@ -411,8 +417,20 @@ def _children(pid: int) -> list[int]:
     return out + [g for c in out for g in _children(c)]
 
 
+def _speaks_v2(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.settimeout(2)
+            return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
+    except OSError:
+        return False
+
+
 def _identify(port: int, secret: bytes, job_ids: list[str]) -> tuple[str, str] | None:
-    """Which listener (and job id) answers the job secret's handshake on `port`."""
+    """Which listener (and job id) answers the job secret's handshake on `port`; None when none does
+    (a listener that does not challenge its peers at all among them)."""
+    if not _speaks_v2(port):
+        return None
     for job in job_ids:
         for name in auth.LISTENERS:
             try:
@@ -479,6 +497,7 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
 
             def discover(proc):
                 found: dict[int, Target] = {}
+                unknown: set[int] = set()  # listening ports that answer no handshake of the job
                 deadline = time.monotonic() + min(timeout_s, 300)
                 settled = None  # when the set of listeners last grew
                 while time.monotonic() < deadline and proc.poll() is None:
@@ -492,25 +511,26 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                         job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
                     job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
                     for pid in pids + [proc.pid]:
-                        for port in _listening_ports(pid) - set(found):
+                        for port in _listening_ports(pid) - set(found) - unknown:
                             who = _identify(port, SECRET, job_ids)
                             if who:
                                 found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, SECRET)
-                                settled = time.monotonic()
+                            else:
+                                unknown.add(port)
+                            settled = time.monotonic()
                     if settled is not None and time.monotonic() - settled > 5:  # every listener is up
                         break
                     time.sleep(0.5)
                 targets = list(found.values())
                 if proc.poll() is None and targets:
-                    kinds = {t.listener for t in targets}
-                    per = {k: max(1, cases_per_listener // sum(t.listener == k for t in targets)) for k in kinds}
-                    for k in kinds:
-                        fuzz([t for t in targets if t.listener == k], per[k], seed, threads)
+                    per = {k: max(1, cases_per_listener // sum(t.listener == k for t in targets))
+                           for k in {t.listener for t in targets}}
+                    fuzz(targets, per, seed, threads)
                     for t in targets:
                         t.dead = proc.poll() is None and not t.alive()
-                return targets
+                return targets, sorted(unknown)
 
-            rc, log, targets = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s, discover)
+            rc, log, (targets, unknown) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s, discover)
             calm, stormy = _final(os.path.join(tmp, "calm.json")), _final(os.path.join(tmp, "stormy.json"))
             marks = [m for m in CRASH_MARKS if m in log]
             for name in sorted({t.listener for t in targets or []}):
@@ -520,6 +540,10 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                                 "crashes": sum(getattr(t, "dead", False) for t in ts) + (rc != 0) + len(marks),
                                 "same_params": calm is not None and calm == stormy and calm_rc == 0,
                                 "compared": calm[0] if calm else None, "exit": [calm_rc, rc], "marks": marks})
+            for port in unknown:  # listening, but without the job's handshake: fails the bar
+                records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
+                                "crashes": 0, "same_params": False,
+                                "error": "a listening socket of the job that answers no jaxodc-auth-v2 handshake"})
             if not targets:
                 records.append({"listener": None, "job": job, "cases": 0, "rejected": 0, "crashes": int(rc != 0),
                                 "same_params": False, "error": "no listener found", "log_tail": log[-2000:]})
