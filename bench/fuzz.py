@@ -480,9 +480,10 @@ def _final(json_path: str):
     return ("final_loss", sorted((k, v) for k, v in last.items()))
 
 
+# job -> (its jaxodc train arguments, the listeners it opens)
 TRAIN_JOBS = {
-    "odc_tcp": ["--ranks", "2", "--comm", "odc", "--transport", "tcp"],
-    "sites": ["--groups", "2", "--ranks", "1", "--diloco", "2"],
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"}),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
                "core dumped", "Fatal Python error")
@@ -490,7 +491,7 @@ CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munm
 
 def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, timeout_s: float) -> list[dict]:
     records = []
-    for job, job_args in TRAIN_JOBS.items():
+    for job, (job_args, expected) in TRAIN_JOBS.items():
         args = job_args + ["--steps", str(steps), "--seed", str(seed)]
         with tempfile.TemporaryDirectory() as tmp:
             calm_rc, calm_log, _ = _train(args, os.path.join(tmp, "calm.json"), SECRET, timeout_s)
@@ -518,7 +519,8 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                             else:
                                 unknown.add(port)
                             settled = time.monotonic()
-                    if settled is not None and time.monotonic() - settled > 5:  # every listener is up
+                    kinds = {t.listener for t in found.values()}
+                    if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
                         break
                     time.sleep(0.5)
                 targets = list(found.values())
