@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -426,19 +427,20 @@ def _speaks_v2(port: int) -> bool:
         return False
 
 
-def _identify(port: int, secret: bytes, job_ids: list[str]) -> tuple[str, str] | None:
-    """Which listener (and job id) answers the job secret's handshake on `port`; None when none does
-    (a listener that does not challenge its peers at all among them)."""
+def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes] | None:
+    """Which listener, job id and secret answer a handshake on `port`; None when none does (a listener
+    that does not challenge its peers at all among them)."""
     if not _speaks_v2(port):
         return None
-    for job in job_ids:
-        for name in auth.LISTENERS:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                    auth.client_handshake(s, secret, name, job, 0, timeout_s=5)
-                    return name, job
-            except (OSError, auth.AuthError):
-                continue
+    for secret in secrets:
+        for job in job_ids:
+            for name in auth.LISTENERS:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                        auth.client_handshake(s, secret, name, job, 0, timeout_s=5)
+                        return name, job, secret
+                except (OSError, auth.AuthError):
+                    continue
     return None
 
 
@@ -462,22 +464,49 @@ def _train(args: list[str], json_path: str, secret: bytes, timeout_s: float, dis
 
 def _final(json_path: str):
     """What two runs must share: every run's last params_sha256 when its records carry one (wt-repro's
-    reproducible accumulation adds it), else every rank's loss at the last minibatch."""
+    reproducible accumulation adds it), else every rank's loss at the last minibatch; for sites, the
+    sha256 of every site's final parameter shards."""
+    site_files = sorted(glob.glob(json_path + ".site*.json"))
+    if site_files:
+        h = hashlib.sha256()
+        for path in site_files:
+            with open(path) as f:
+                h.update(json.dumps(json.load(f)["shards"], sort_keys=True).encode())
+        return ("shards_sha256", h.hexdigest())
     try:
         with open(json_path) as f:
             raw = json.load(f)
     except (OSError, ValueError):
         return None
     hashes = {name: [r["params_sha256"] for r in recs if r.get("params_sha256")] for name, recs in raw.items()}
-    if all(hashes.values()):
+    if hashes and all(hashes.values()):
         return ("params_sha256", {name: h[-1] for name, h in hashes.items()})
     last: dict = {}
     for name, recs in raw.items():
         for r in recs:
-            key = (name, r["rank"])
+            key = f"{name} rank {r['rank']}"
             if key not in last or r["step"] >= last[key][0]:
                 last[key] = (r["step"], r["loss"])
-    return ("final_loss", sorted((k, v) for k, v in last.items()))
+    return ("final_loss", sorted(last.items()))
+
+
+def _secrets_of(pids: list[int]) -> list[bytes]:
+    """The secrets the job's processes were handed: $JAXODC_JOB_SECRET and any --secret-file."""
+    found = []
+    for pid in pids:
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        found += [bytes.fromhex(e.split(b"=", 1)[1].decode()) for e in env if e.startswith(auth.SECRET_ENV.encode() + b"=")]
+        for flag, path in zip(argv, argv[1:]):
+            if flag == b"--secret-file":
+                try:
+                    found.append(auth.read_secret_file(path.decode()))
+                except auth.AuthError:
+                    pass
+    return list(dict.fromkeys(found))
 
 
 # job -> (its jaxodc train arguments, the listeners it opens)
@@ -511,11 +540,12 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                             continue
                         job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
                     job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
+                    secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
                     for pid in pids + [proc.pid]:
                         for port in _listening_ports(pid) - set(found) - unknown:
-                            who = _identify(port, SECRET, job_ids)
+                            who = _identify(port, secrets, job_ids)
                             if who:
-                                found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, SECRET)
+                                found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2])
                             else:
                                 unknown.add(port)
                             settled = time.monotonic()
@@ -541,7 +571,7 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                                 "rejected": sum(t.rejected for t in ts), "admitted": sum((t.admitted for t in ts), []),
                                 "crashes": sum(getattr(t, "dead", False) for t in ts) + (rc != 0) + len(marks),
                                 "same_params": calm is not None and calm == stormy and calm_rc == 0,
-                                "compared": calm[0] if calm else None, "exit": [calm_rc, rc], "marks": marks})
+                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks})
             for port in unknown:  # listening, but without the job's handshake: fails the bar
                 records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
                                 "crashes": 0, "same_params": False,
