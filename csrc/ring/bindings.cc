@@ -120,7 +120,7 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
              d["bytes_received"] = ep.bytes_received.load();
              d["ops_ok"] = ep.ops_ok.load();
              d["ops_failed"] = ep.ops_failed.load();
-             d["auth_rejected"] = ep.auth_rejected.load();
+             d["auth_rejected"] = ep.auth_rejected();
              return d;
            })
       .def("close", &Endpoint::close, nb::call_guard<nb::gil_scoped_release>());

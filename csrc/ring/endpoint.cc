@@ -59,6 +59,7 @@ Endpoint::Endpoint(const std::string& host, int port, int pool_size, std::string
   int bound = 0;
   listen_fd_ = tcp::listen_on(host, port, &bound);
   address_ = host + ":" + std::to_string(bound);
+  refusals_.rename("ring endpoint " + address_);
   acceptor_ = std::thread([this] { accept_loop(); });
   handle_ = live_endpoints().add(this);
 }
@@ -86,9 +87,7 @@ void Endpoint::close() {
   if (rs) teardown_ring(rs);
   for (auto& h : handlers) h.th.join();
   cv_.notify_all();
-  if (const uint64_t n = auth_rejected.load())
-    std::fprintf(stderr, "jaxodc ring %s: closed; refused %llu connections in all\n", address_.c_str(),
-                 static_cast<unsigned long long>(n));
+  refusals_.closing();
 }
 
 void Endpoint::accept_loop() {
@@ -104,9 +103,7 @@ void Endpoint::accept_loop() {
       std::lock_guard<std::mutex> g(mu_);
       if (closing_) { ::close(fd); break; }
       if (handshakes_.load() >= kMaxHandshakes) {
-        auth_rejected++;
-        std::fprintf(stderr, "jaxodc ring %s: refused a connection from %s: too many connections in their handshake\n",
-                     address_.c_str(), auth::peer_address(fd).c_str());
+        refusals_.refused(auth::peer_address(fd), "too many connections in their handshake");
         ::close(fd);
         continue;
       }
@@ -141,10 +138,7 @@ void Endpoint::handle_incoming(int fd, std::shared_ptr<std::atomic<bool>> done) 
     } catch (const std::exception& e) {
       handshakes_--;
       if (closing_) throw;
-      const uint64_t n = ++auth_rejected;
-      if (n <= 4 || (n & (n - 1)) == 0)
-        std::fprintf(stderr, "jaxodc ring %s: refused a connection from %s: %s (%llu refused so far)\n",
-                     address_.c_str(), from.c_str(), e.what(), static_cast<unsigned long long>(n));
+      refusals_.refused(from, e.what());
       throw auth::Rejected("refused");
     }
     handshakes_--;

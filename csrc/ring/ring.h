@@ -91,8 +91,8 @@ class Endpoint {
   // Names this endpoint in jitted code (the `handle` attribute of the FFI all-reduce) until close.
   int64_t handle() const { return handle_; }
 
-  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_ok{0}, ops_failed{0},
-      auth_rejected{0};
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_ok{0}, ops_failed{0};
+  uint64_t auth_rejected() const { return refusals_.count(); }
 
  private:
   friend struct OpRunner;
@@ -107,6 +107,7 @@ class Endpoint {
   std::string host_, address_;
   auth::Identity identity_;
   std::atomic<int> handshakes_{0};  // in flight (bounded: idle connections cannot pile up)
+  auth::RefusalLog refusals_{"ring"};
   std::atomic<int> my_index_{0};    // my index in the current ring: the rank my connections claim
   int pool_size_;
   double timeout_s_;

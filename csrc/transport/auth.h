@@ -67,6 +67,7 @@ std::string peer_address(int fd);
 class RefusalLog {
  public:
   explicit RefusalLog(std::string listener) : listener_(std::move(listener)) {}
+  void rename(std::string listener) { listener_ = std::move(listener); }  // before the listener accepts
   void refused(const std::string& peer, const std::string& why);
   void closing() const;
   uint64_t count() const { return count_.load(); }
