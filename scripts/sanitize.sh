@@ -5,7 +5,7 @@
 # tests/test_native_auth.py under it, with libasan preloaded into the python processes. Exits non-zero on a sanitizer report, a crash, a case a
 # listener let in, or a disturbed result.
 #
-#   scripts/sanitize.sh [OUT_DIR]        CASES=2000 STEPS=30 PYTHON=.venv/bin/python
+#   scripts/sanitize.sh [OUT_DIR]        CASES=2000 STEPS=30 JOBS=2 PYTHON=.venv/bin/python
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python}
@@ -16,7 +16,7 @@ CXX=${CXX:-g++}
 mkdir -p "$OUT/lib"
 cd "$ROOT"
 echo "sanitize: building jaxodc._C with ASan + UBSan into $OUT/lib (log: $OUT/build.log)"
-JAXODC_SANITIZE=1 JAXODC_CUDA=0 "$PY" setup.py build_ext --build-lib "$OUT/lib" --build-temp "$OUT/temp" -j 2 \
+JAXODC_SANITIZE=1 JAXODC_CUDA=0 "$PY" setup.py build_ext --build-lib "$OUT/lib" --build-temp "$OUT/temp" -j "${JOBS:-2}" \
   > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 # The Python package beside the sanitized module (links followed: jaxodc/bench is ../bench).
 tar --exclude='_C*.so' --exclude='_nvshmem_plugin.so' --exclude='__pycache__' -chf - jaxodc | tar -C "$OUT/lib" -xf -
