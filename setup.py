@@ -3,6 +3,8 @@
 Every `.cc` under csrc/ goes into one module; every `.cu` is compiled by nvcc when one is found
 (PATH, $CUDA_HOME, or the pip wheel nvidia-cuda-nvcc) and linked with the static CUDA runtime, so the
 module still imports on machines without a GPU. JAXODC_CUDA=0 disables, =1 requires CUDA.
+JAXODC_SANITIZE=1 builds the host code with AddressSanitizer and UndefinedBehaviorSanitizer (load it with
+libasan preloaded; scripts/sanitize.sh builds such a copy aside and runs the listener fuzzer under it).
 With CUDA and NVSHMEM (the nvidia-nvshmem-cu13 wheel), csrc/odc/nvshmem/ becomes the separate plugin
 jaxodc/_nvshmem_plugin.so, which the runtime dlopen()s only for the nvshmem transport.
 """
@@ -102,17 +104,26 @@ def module_sources(pattern):
             if not p.startswith(plugin)]
 
 
+def sanitizer_flags():
+    """-fsanitize=address,undefined (and what makes its reports readable) under JAXODC_SANITIZE=1."""
+    if os.environ.get("JAXODC_SANITIZE", "0") in ("", "0"):
+        return [], []
+    flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+    return flags + ["-O1"], flags
+
+
 def make_extension():
     nb_include, nb_combined, robin_map = (INPUTS[k] for k in ("nanobind_include", "nb_combined", "robin_map_include"))
     sources = [os.path.relpath(p, ROOT) for p in module_sources("*.cc")]
+    san_compile, san_link = sanitizer_flags()
     return Extension(
         "jaxodc._C",
         sources=sources + [os.path.relpath(nb_combined, ROOT) if nb_combined.startswith(ROOT) else nb_combined],
         include_dirs=["csrc", nb_include, robin_map, INPUTS["python_include"]],
         define_macros=[("NB_COMPACT_ASSERTIONS", None)],
         extra_compile_args=["-std=c++17", "-O3", "-isystem", INPUTS["ffi_include"], "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
-                            "-fno-strict-aliasing"],
-        extra_link_args=["-lpthread", "-lrt"],
+                            "-fno-strict-aliasing"] + san_compile,
+        extra_link_args=["-lpthread", "-lrt"] + san_link,
         language="c++",
     )
 

@@ -18,6 +18,7 @@ NB_MODULE(_C, m) {
   jaxodc::bind_attention(m, targets);
   jaxodc::bind_sketch(m, targets);
   jaxodc::bind_lockstep(m, targets);
+  jaxodc::bind_transport(m, targets);
 #ifdef JAXODC_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

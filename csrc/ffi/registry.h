@@ -26,5 +26,6 @@ void bind_hash(nb::module_& m, nb::dict& targets);
 void bind_attention(nb::module_& m, nb::dict& targets);
 void bind_sketch(nb::module_& m, nb::dict& targets);
 void bind_lockstep(nb::module_& m, nb::dict& targets);
+void bind_transport(nb::module_& m, nb::dict& targets);
 
 }  // namespace jaxodc

@@ -21,14 +21,15 @@ void bind_lockstep(nb::module_& m, nb::dict& targets) {
           "__init__",
           [](Group* self, int rank, int world, const std::string& shm_name,
              const std::vector<std::tuple<int, int64_t, std::string, int>>& channels, double timeout_s,
-             const std::string& listen_host) {
+             const std::string& listen_host, nb::bytes secret, const std::string& job_id) {
             std::vector<lockstep::ChannelSpec> specs;
             for (const auto& [kind, n, name, dtype] : channels)
               specs.push_back({static_cast<lockstep::Kind>(kind), n, name, static_cast<lockstep::DType>(dtype)});
-            new (self) Group(rank, world, shm_name, specs, timeout_s, listen_host);
+            new (self) Group(rank, world, shm_name, specs, timeout_s, listen_host,
+                             std::string(secret.c_str(), secret.size()), job_id);
           },
           nb::arg("rank"), nb::arg("world"), nb::arg("shm_name"), nb::arg("channels"), nb::arg("timeout_s"),
-          nb::arg("listen_host") = "127.0.0.1")
+          nb::arg("listen_host") = "127.0.0.1", nb::arg("secret") = nb::bytes(""), nb::arg("job_id") = "")
       .def_prop_ro("rank", &Group::rank)
       .def_prop_ro("world", &Group::world)
       .def_prop_ro("port", &Group::port)

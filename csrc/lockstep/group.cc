@@ -52,7 +52,7 @@ const char* kind_name(Kind k) {
 Group* group_by_handle(int64_t handle) { return live_groups().find(handle); }
 
 Group::Group(int rank, int world, const std::string& shm_name, const std::vector<ChannelSpec>& channels,
-             double timeout_s, const std::string& listen_host)
+             double timeout_s, const std::string& listen_host, const std::string& secret, const std::string& job_id)
     : rank_(rank), world_(world), timeout_s_(timeout_s), channels_(channels), shm_name_(shm_name) {
   const std::string who = "lockstep group of rank " + std::to_string(rank);
   if (world < 1 || rank < 0 || rank >= world)
@@ -127,7 +127,7 @@ Group::Group(int rank, int world, const std::string& shm_name, const std::vector
     peers_[r]->rank = r;
   }
   try {
-    if (world > 1) tcp_ = std::make_unique<TcpLinks>(*this, listen_host);
+    if (world > 1) tcp_ = std::make_unique<TcpLinks>(*this, listen_host, auth::Identity{secret, "lockstep_tcp", job_id});
   } catch (...) {
     unlink_segment();
     throw;

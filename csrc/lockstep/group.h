@@ -83,9 +83,12 @@ class TcpLinks;
 class Group {
  public:
   // `shm_name`: this rank's segment ("/jaxodc_<job>_..."; created here, unlinked by
-  // unlink_segment or close). `listen_host`: address of the TCP listener (world > 1).
+  // unlink_segment or close). `listen_host`: address of the TCP listener (world > 1); `secret` and
+  // `job_id`: what every tcp link proves (jaxodc-auth-v2, listener "lockstep_tcp"; an empty secret
+  // only on a loopback listen_host).
   Group(int rank, int world, const std::string& shm_name, const std::vector<ChannelSpec>& channels,
-        double timeout_s, const std::string& listen_host);
+        double timeout_s, const std::string& listen_host, const std::string& secret = "",
+        const std::string& job_id = "");
   ~Group();
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;

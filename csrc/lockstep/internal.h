@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "lockstep/group.h"
+#include "transport/auth.h"
 #include "transport/shm.h"
 
 namespace jaxodc::lockstep {
@@ -106,10 +107,12 @@ struct Call {
 };
 
 // The tcp side of a group: a listener whose accepted connections each get a receiver thread that
-// stores one peer's posts, and my outgoing connections (Peer::send_fd).
+// stores one peer's posts, and my outgoing connections (Peer::send_fd). A connection is served only
+// once it proved the job secret (jaxodc-auth-v2) as a rank of the group that holds no other link to
+// me; posts are checked against the channels before a byte is stored. Every read wakes on stop().
 class TcpLinks {
  public:
-  TcpLinks(Group& group, const std::string& host);  // listens on an ephemeral port
+  TcpLinks(Group& group, const std::string& host, auth::Identity identity);  // listens on an ephemeral port
   ~TcpLinks() { stop(); }
   int port() const { return port_; }
   void connect(Peer& peer, const std::string& host, int port);
@@ -118,16 +121,25 @@ class TcpLinks {
   void stop();
 
  private:
+  struct Connection {
+    std::thread thread;
+    int fd;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
   void accept_loop();
   void receive(int fd);
+  void read(int fd, void* buf, size_t n, const std::string& what);
 
   Group& group_;
+  const auth::Identity identity_;
   int listen_fd_ = -1, port_ = 0;
   std::atomic<bool> stop_{false};
+  auth::RefusalLog refusals_;
+  auth::ConnectionBudget budget_;
   std::thread acceptor_;
   std::mutex mu_;
-  std::vector<std::thread> threads_;
-  std::vector<int> fds_;
+  std::vector<Connection> conns_;
+  std::vector<bool> linked_;  // per rank: its link to me is up (one per rank)
 };
 
 }  // namespace jaxodc::lockstep

@@ -40,9 +40,15 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   static nb::exception<PeerError> odc_peer(m, "PeerError", PyExc_ConnectionError);
 
   nb::class_<Runtime>(m, "OdcRuntime")
-      .def(nb::init<int, int, const std::string&, const std::vector<int64_t>&, double, const std::string&, int64_t>(),
+      .def("__init__",
+           [](Runtime* self, int rank, int world, const std::string& job_id, const std::vector<int64_t>& numels,
+              double timeout_s, const std::string& listen_host, int64_t slot_elems, nb::bytes secret) {
+             new (self) Runtime(rank, world, job_id, numels, timeout_s, listen_host, slot_elems,
+                                std::string(secret.c_str(), secret.size()));
+           },
            nb::arg("rank"), nb::arg("world"), nb::arg("job_id"), nb::arg("unit_numels"), nb::arg("timeout_s"),
-           nb::arg("listen_host") = "127.0.0.1", nb::arg("slot_elems") = 0)
+           nb::arg("listen_host") = "127.0.0.1", nb::arg("slot_elems") = 0, nb::arg("secret") = nb::bytes(""),
+           "secret: the job secret every tcp peer proves (empty only with a loopback listen_host)")
       .def_prop_ro("slot_elems", &Runtime::slot_elems, "fp32 elements per receive slot")
       .def_prop_ro("rank", &Runtime::rank)
       .def_prop_ro("world", &Runtime::world)

@@ -13,6 +13,7 @@
 #include "common/sync.h"
 #include "odc/device.h"
 #include "odc/segment.h"
+#include "transport/auth.h"
 
 namespace jaxodc::odc {
 
@@ -43,6 +44,8 @@ struct Core {
   // Emulated link of the tcp transport (bytes/s, 0 = uncapped; seconds added per message), set
   // before connect; every connection and direction gets a token bucket of its own.
   double link_rate = 0, link_latency = 0;
+  // The job secret and id every tcp connection proves (jaxodc-auth-v2, listener "odc_tcp").
+  auth::Identity identity;
   SegmentHeader* seg = nullptr;  // mine, mapped until the runtime is destroyed
   std::unique_ptr<Device> dev;   // my device block; null without a device
   std::atomic<bool> stop{false};

@@ -37,12 +37,14 @@ bool Runtime::drain_slots() {
     const int unit = slot->unit;
     const int64_t count = slot->count, offset = slot->offset;
     const bool host = slot->where == kSlotHost, sketch = slot->where == kSlotSketch;
-    const bool fits = host ? count <= core.layout.slot_elems
-                     : sketch ? slot->sketch_width > 0 && count > 0 &&
+    // Bounded against the layout without arithmetic that can wrap, before anything is computed from it.
+    const bool inside = unit >= 0 && unit < num_units() && count >= 0 && offset >= 0 &&
+                        count <= core.layout.shards[unit] && offset <= core.layout.shards[unit] - count;
+    const bool fits = inside && (host ? count <= core.layout.slot_elems
+                     : sketch ? slot->sketch_width > 0 && slot->sketch_width <= core.layout.slot_elems && count > 0 &&
                                     sketch_payload_bytes(count, slot->sketch_width) <= core.layout.slot_elems * 4
-                              : offset == 0;
-    if (unit < 0 || unit >= num_units() || count < 0 || offset < 0 || offset + count > core.layout.shards[unit] ||
-        !fits) {
+                              : offset == 0);
+    if (!fits) {
       core.record_push_error("rank " + std::to_string(c) + " pushed a malformed message (unit " +
                              std::to_string(unit) + ", " + std::to_string(count) + " elements at " +
                              std::to_string(offset) + ") to " + core.who());

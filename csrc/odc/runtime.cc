@@ -27,7 +27,7 @@ Handles<Runtime>& live_runtimes() {
 Runtime* runtime_by_handle(int64_t handle) { return live_runtimes().find(handle); }
 
 Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
-                 double timeout_s, const std::string& listen_host, int64_t slot_elems)
+                 double timeout_s, const std::string& listen_host, int64_t slot_elems, const std::string& secret)
     : job_id_(job_id),
       core_(std::make_unique<Core>(rank, Layout(rank, world, unit_numels, slot_elems), timeout_s)),
       compressor_(std::make_unique<Compressor>()) {
@@ -57,6 +57,7 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
 
   peers_.resize(world);
   peers_[rank] = std::make_unique<SelfPeer>(core, *this);
+  core.identity = auth::Identity{secret, "odc_tcp", job_id};
   if (world > 1) server_ = std::make_unique<TcpServer>(core, listen_host);
   daemon_ = std::thread([this] { daemon_loop(); });
 }

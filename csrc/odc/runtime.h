@@ -83,7 +83,7 @@ class Runtime {
   // one piece). Smaller slots save server memory and split pushes into chunks. Part of the layout:
   // every rank must pass the same value.
   Runtime(int rank, int world, const std::string& job_id, const std::vector<int64_t>& unit_numels,
-          double timeout_s, const std::string& listen_host, int64_t slot_elems = 0);
+          double timeout_s, const std::string& listen_host, int64_t slot_elems = 0, const std::string& secret = "");
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

@@ -2,6 +2,7 @@
 // (tcp_server.cc), one at a time per connection.
 #include "odc/peer.h"
 #include "odc/runtime.h"
+#include "transport/auth.h"
 #include "transport/link_shaper.h"
 #include "transport/tcp_socket.h"
 
@@ -10,6 +11,13 @@ namespace jaxodc::odc {
 TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank) {
   link_.set(core.link_rate, core.link_latency);
   fd_ = tcp::connect_within(cfg.host, cfg.port, core.timeout_s, name());
+  try {
+    auth::client_handshake(fd_, core.identity, static_cast<uint32_t>(core.rank), now_seconds() + core.timeout_s,
+                           nullptr, name() + "'s odc tcp listener");
+  } catch (const tcp::TcpError& e) {
+    tcp::close_fd(fd_);
+    throw PeerError(core.who() + " could not authenticate to " + name() + ": " + e.what());
+  }
   send(request(kHello, core.rank, 0, 0, core.layout.world, core.layout.hash));
   WireHeader r{};
   tcp::recv_within(fd_, &r, sizeof(r), core.timeout_s, name());

@@ -18,6 +18,8 @@ WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const s
   tcp::recv_within(fd, &r, sizeof(r), timeout_s, peer);
   tcp::arrive_after(r.sent_at, 0, 0, latency);
   if (r.status != 0) {
+    if (r.count < 0 || r.count > kMaxErrorBytes)
+      throw PeerError(what + ": " + peer + " sent an error reply of " + std::to_string(r.count) + " bytes");
     std::string msg(static_cast<size_t>(r.count), '\0');
     tcp::recv_within(fd, msg.data(), msg.size(), timeout_s, peer);
     throw PeerError(what + ": " + msg);
@@ -25,31 +27,93 @@ WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const s
   return r;
 }
 
-TcpServer::TcpServer(Core& core, const std::string& host) : core_(core) {
+namespace {
+
+// Reads `n` bytes of an authenticated client's request: gives up after the runtime's timeout and
+// wakes on stop (a connection held half-open never stalls close()).
+void read_request(int fd, void* buf, size_t n, const Core& core, const std::string& peer) {
   try {
-    listen_fd_ = tcp::listen_on(host, 0, &port_);
+    tcp::recv_all(fd, buf, n, now_seconds() + core.timeout_s, &core.stop, peer);
   } catch (const tcp::TcpError& e) {
+    if (e.kind == tcp::ErrKind::kTimeout)
+      throw TimeoutError("timed out after " + std::to_string(core.timeout_s) + " s receiving from " + peer);
+    throw PeerError("connection to " + std::string(e.what()));
+  }
+}
+
+// A request of an authenticated client that breaks the protocol: a fault of that rank, which aborts
+// the minibatch (Core::record_push_error) -- unlike a lost connection, which matters only if the
+// owner still waits for that client.
+struct Violation : PeerError {
+  using PeerError::PeerError;
+};
+
+// [offset, offset + count) lies inside [0, size), checked without arithmetic that can wrap.
+bool inside(int64_t offset, int64_t count, int64_t size) {
+  return count >= 0 && offset >= 0 && count <= size && offset <= size - count;
+}
+
+// The wire element types a push or gather may name.
+bool known_type(int32_t t) {
+  return t == static_cast<int32_t>(ElemType::kF32) || t == static_cast<int32_t>(ElemType::kBF16);
+}
+
+}  // namespace
+
+// Handshakes in flight are few (the ranks connect once, at start); every rank may hold one
+// authenticated connection (the nvshmem transport's control link included).
+TcpServer::TcpServer(Core& core, const std::string& host)
+    : core_(core), refusals_("odc_tcp listener of " + core.who()), budget_(32, core.layout.world) {
+  try {
+    auth::check_bind(core.identity.secret, host, core.who() + "'s odc tcp listener");
+    listen_fd_ = tcp::listen_on(host, 0, &port_);
+  } catch (const std::exception& e) {
     throw Error(core.who() + ": " + e.what());
   }
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
+void TcpServer::reap() {
+  for (size_t i = 0; i < conns_.size();) {
+    if (conns_[i].done->load()) {
+      conns_[i].thread.join();
+      tcp::close_fd(conns_[i].fd);
+      conns_.erase(conns_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+}
+
 void TcpServer::accept_loop() {
   while (!core_.stop.load()) {
-    const int fd = tcp::accept_ready(listen_fd_, 100);
+    int fd = tcp::accept_ready(listen_fd_, 100);
     if (fd < 0) continue;
     std::lock_guard<std::mutex> lock(mu_);
-    fds_.push_back(fd);
-    threads_.emplace_back([this, fd] { serve(fd); });
+    reap();
+    if (!budget_.start_handshake()) {
+      refusals_.refused(auth::peer_address(fd), "too many connections in their handshake");
+      tcp::close_fd(fd);
+      continue;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    conns_.push_back({std::thread([this, fd, done] {
+                        serve(fd);
+                        done->store(true);
+                      }),
+                      fd, done});
   }
 }
 
 void TcpServer::stop() {
   if (acceptor_.joinable()) acceptor_.join();
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& t : threads_)
-    if (t.joinable()) t.join();
-  for (int& fd : fds_) tcp::close_fd(fd);
+  for (auto& c : conns_) {
+    if (c.thread.joinable()) c.thread.join();
+    tcp::close_fd(c.fd);
+  }
+  conns_.clear();
+  if (listen_fd_ >= 0) refusals_.closing();
   tcp::close_fd(listen_fd_);
 }
 
@@ -91,6 +155,29 @@ struct Replier {
 }  // namespace
 
 void TcpServer::serve(int fd) {
+  const std::string from = auth::peer_address(fd);
+  uint32_t authenticated = 0;
+  try {
+    authenticated = auth::server_handshake(fd, core_.identity, static_cast<uint32_t>(core_.layout.world),
+                                           now_seconds() + std::min(auth::kHandshakeSeconds, core_.timeout_s),
+                                           &core_.stop, "odc tcp connection from " + from);
+  } catch (const std::exception& e) {
+    budget_.end_handshake();
+    if (!core_.stop.load()) refusals_.refused(from, e.what());
+    ::shutdown(fd, SHUT_RDWR);
+    return;
+  }
+  budget_.end_handshake();
+  if (!budget_.admit()) {
+    refusals_.refused(from, "rank " + std::to_string(authenticated) + " authenticated, but " +
+                                std::to_string(core_.layout.world) + " connections are served already");
+    ::shutdown(fd, SHUT_RDWR);
+    return;
+  }
+  struct Leave {
+    auth::ConnectionBudget& b;
+    ~Leave() { b.leave(); }
+  } leave{budget_};
   tcp::Link link;
   link.set(core_.link_rate, core_.link_latency);
   Replier out{fd, core_.timeout_s, link};
@@ -104,27 +191,41 @@ void TcpServer::serve(int fd) {
       pollfd p{fd, POLLIN, 0};
       if (poll(&p, 1, 100) <= 0) continue;
       WireHeader h{};
-      tcp::recv_within(fd, &h, sizeof(h), core_.timeout_s, out.peer());
+      read_request(fd, &h, sizeof(h), core_, out.peer());
       // A request arrives `latency` after it was sent; a push once its data has (below).
       const bool carries_data = h.op == kPush || h.op == kPushSketch;
       if (!carries_data) tcp::arrive_after(h.sent_at, 0, 0, core_.link_latency);
       if (h.op == kHello) {
-        client = h.rank;
+        // The hello's rank is the one the handshake proved; its layout must be mine.
+        const bool ok = client < 0 && h.rank == static_cast<int32_t>(authenticated) && h.aux == layout.hash &&
+                        h.count == layout.world;
         WireHeader r{};
-        const bool ok = client >= 0 && client < layout.world && h.aux == layout.hash && h.count == layout.world;
         r.status = ok ? 0 : 1;
         out.send(r);
-        if (!ok) break;
+        if (!ok) {
+          refusals_.refused(from, "rank " + std::to_string(authenticated) + " said hello as rank " +
+                                      std::to_string(h.rank) + " with another unit layout");
+          break;
+        }
+        client = h.rank;
         continue;
       }
-      if (client < 0) break;  // every connection starts with a hello
+      if (client < 0) {  // every connection starts with a hello
+        refusals_.refused(from, "rank " + std::to_string(authenticated) + " sent request " + std::to_string(h.op) +
+                                    " before its hello");
+        break;
+      }
+      // Versions index rings of kRing entries (scalars, LB-Steal deques): never negative.
+      if (h.version < 0)
+        throw Violation("request " + std::to_string(h.op) + " for negative version " + std::to_string(h.version));
       const bool known_unit = h.unit >= 0 && h.unit < layout.num_units();
       const std::string for_client = " for rank " + std::to_string(client);
       switch (h.op) {
         case kGather:
         case kNvWaitPublished: {
-          if (!known_unit) {
-            out.error(core_.who() + " has no unit " + std::to_string(h.unit));
+          if (!known_unit || !known_type(h.elem_type)) {
+            out.error(core_.who() + " has no unit " + std::to_string(h.unit) + " of element type " +
+                      std::to_string(h.elem_type));
             break;
           }
           const char* via = h.op == kGather ? "" : " (gather over nvshmem)";
@@ -154,9 +255,10 @@ void TcpServer::serve(int fd) {
         }
         case kPush: {
           const int64_t offset = static_cast<int64_t>(h.aux);
-          if (!known_unit || h.count < 0 || offset < 0 || offset + h.count > layout.shards[h.unit])
-            throw PeerError("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
-                            " elements at " + std::to_string(offset) + ")");
+          if (!known_unit || !known_type(h.elem_type) || !inside(offset, h.count, layout.shards[h.unit]))
+            throw Violation("malformed push (unit " + std::to_string(h.unit) + ", " + std::to_string(h.count) +
+                            " elements at " + std::to_string(offset) + ", element type " +
+                            std::to_string(h.elem_type) + ")");
           const bool bf16 = h.elem_type == static_cast<int32_t>(ElemType::kBF16);
           const size_t esize = bf16 ? 2 : 4;
           int64_t got = 0;
@@ -167,11 +269,10 @@ void TcpServer::serve(int fd) {
             // leaves the accumulator without it. bf16 arrives beside the slot and is widened into it.
             if (bf16) {
               narrow.resize(static_cast<size_t>(chunk));
-              tcp::recv_within(fd, narrow.data(), static_cast<size_t>(chunk) * 2, core_.timeout_s, out.peer());
+              read_request(fd, narrow.data(), static_cast<size_t>(chunk) * 2, core_, out.peer());
               load_to_f32(seg->slot_data(client), narrow.data(), ElemType::kBF16, chunk);
             } else {
-              tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_.timeout_s,
-                               out.peer());
+              read_request(fd, seg->slot_data(client), static_cast<size_t>(chunk) * 4, core_, out.peer());
             }
             tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + (got + chunk) * esize), core_.link_rate,
                               core_.link_latency);
@@ -182,14 +283,16 @@ void TcpServer::serve(int fd) {
         }
         case kPushSketch: {
           const int64_t offset = static_cast<int64_t>(h.aux);
-          const int64_t bytes = known_unit && h.count > 0 && h.sketch_width > 0
-                                    ? sketch_payload_bytes(h.count, h.sketch_width) : -1;
-          if (bytes < 0 || offset < 0 || offset + h.count > layout.shards[h.unit] || bytes > layout.slot_elems * 4)
-            throw PeerError("malformed compressed push (unit " + std::to_string(h.unit) + ", " +
+          // Sizes bounded by the layout before the payload size is computed from them.
+          const bool sane = known_unit && h.count > 0 && inside(offset, h.count, layout.shards[h.unit]) &&
+                            h.sketch_width > 0 && h.sketch_width <= layout.slot_elems;
+          const int64_t bytes = sane ? sketch_payload_bytes(h.count, h.sketch_width) : -1;
+          if (bytes < 0 || bytes > layout.slot_elems * 4)
+            throw Violation("malformed compressed push (unit " + std::to_string(h.unit) + ", " +
                             std::to_string(h.count) + " elements at " + std::to_string(offset) + ", sketch width " +
                             std::to_string(h.sketch_width) + ")");
           core_.wait_slot_free(seg, client, nullptr, "draining the receive slot of " + out.peer());
-          tcp::recv_within(fd, seg->slot_data(client), static_cast<size_t>(bytes), core_.timeout_s, out.peer());
+          read_request(fd, seg->slot_data(client), static_cast<size_t>(bytes), core_, out.peer());
           tcp::arrive_after(h.sent_at, static_cast<double>(sizeof(h) + bytes), core_.link_rate, core_.link_latency);
           seg->raise_slot(client, h.unit, h.version, h.count, kSlotSketch, offset, h.sketch_width, h.sketch_seed);
           break;
@@ -225,12 +328,12 @@ void TcpServer::serve(int fd) {
         case kNvCommit: {
           // The client put its data into my NVSHMEM block and completed it (quiet) before this.
           if (!known_unit || h.count < 0 || h.count > layout.shards[h.unit])
-            throw PeerError("malformed nvshmem push (unit " + std::to_string(h.unit) + ", " +
+            throw Violation("malformed nvshmem push (unit " + std::to_string(h.unit) + ", " +
                             std::to_string(h.count) + " elements)");
           if (!core_.dev || !core_.dev->nvshmem_active())
-            throw PeerError("an nvshmem push, but " + core_.who() + " has no NVSHMEM block");
+            throw Violation("an nvshmem push, but " + core_.who() + " has no NVSHMEM block");
           if (seg->slot(client)->state.load(std::memory_order_acquire) != kSlotFree)
-            throw PeerError("an nvshmem push into a receive slot that was not free");
+            throw Violation("an nvshmem push into a receive slot that was not free");
           seg->raise_slot(client, h.unit, h.version, h.count, kSlotNvshmem);
           break;
         }
@@ -238,9 +341,16 @@ void TcpServer::serve(int fd) {
           said_bye = true;
           break;
         default:
-          throw PeerError("unknown request " + std::to_string(h.op));
+          throw Violation("unknown request " + std::to_string(h.op));
       }
       if (said_bye) break;
+    }
+  } catch (const Violation& e) {
+    if (!core_.stop.load()) {
+      core_.record_push_error(out.peer() + " broke the protocol of " + core_.who() + "'s odc tcp listener (from " +
+                              from + "): " + e.what());
+      core_.record_client_failure(client, "connection from " + out.peer() + " failed: " + e.what());
+      signal_event(&seg->doorbell);
     }
   } catch (const std::exception& e) {
     if (client >= 0 && !core_.stop.load())
@@ -250,6 +360,7 @@ void TcpServer::serve(int fd) {
     core_.record_client_failure(client, out.peer() + " closed its connection without saying goodbye");
     signal_event(&seg->doorbell);
   }
+  ::shutdown(fd, SHUT_RDWR);  // the client sees the end now; the acceptor closes the descriptor
 }
 
 }  // namespace jaxodc::odc

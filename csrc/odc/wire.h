@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "transport/auth.h"
+
 namespace jaxodc::odc {
 
 struct Core;
@@ -50,14 +52,20 @@ inline WireHeader request(uint32_t op, int rank, int32_t unit = 0, int64_t versi
   return h;
 }
 
+constexpr int64_t kMaxErrorBytes = 1 << 16;  // longest error message a reply may carry
+
 // Receives a reply, held back by the emulated link's `latency` (0: none); an error reply is thrown
 // as PeerError(what: message).
 WireHeader recv_reply(int fd, const std::string& peer, double timeout_s, const std::string& what,
                       double latency = 0);
 
-// This rank's TCP server: one thread per client connection performs the client's one-sided
-// operations on my segment (its waits bounded by the runtime's timeout). A connection that ends
-// without a goodbye is recorded as that client's failure (Core::record_client_failure).
+// This rank's TCP server: a client is served only once it proved the job secret
+// (jaxodc-auth-v2, listener "odc_tcp") as the rank it then says hello as; one thread per client
+// connection performs the client's one-sided operations on my segment (its waits bounded by the
+// runtime's timeout). Every request is checked against the layout before it touches memory. A
+// connection that fails the handshake is dropped and logged with its address; an authenticated one
+// that breaks the protocol or ends without a goodbye is recorded as that client's failure
+// (Core::record_client_failure), which aborts the minibatch naming it. Every read wakes on stop().
 class TcpServer {
  public:
   TcpServer(Core& core, const std::string& host);  // listens on an ephemeral port
@@ -65,20 +73,28 @@ class TcpServer {
   TcpServer(const TcpServer&) = delete;
   TcpServer& operator=(const TcpServer&) = delete;
   int port() const { return port_; }
+  uint64_t refused() const { return refusals_.count(); }
   // Joins every thread and closes every socket; the runtime's stop flag must be set.
   void stop();
 
  private:
+  struct Connection {
+    std::thread thread;
+    int fd;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
   void accept_loop();
   void serve(int fd);
+  void reap();  // joins finished connections (mu_ held)
 
   Core& core_;
   int listen_fd_ = -1;
   int port_ = 0;
+  auth::RefusalLog refusals_;
+  auth::ConnectionBudget budget_;
   std::thread acceptor_;
   std::mutex mu_;
-  std::vector<std::thread> threads_;
-  std::vector<int> fds_;
+  std::vector<Connection> conns_;
 };
 
 }  // namespace jaxodc::odc

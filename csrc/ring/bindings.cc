@@ -62,10 +62,11 @@ void check_sizes(const ByteIn& x, const ByteOut& out, size_t count, int dtype) {
 void bind_ring(nb::module_& m, nb::dict& targets) {
   nb::class_<Endpoint>(m, "RingEndpoint")
       .def("__init__",
-           [](Endpoint* self, const std::string& host, int port, int pool_size, nb::bytes secret, double timeout_s) {
-             new (self) Endpoint(host, port, pool_size, std::string(secret.c_str(), secret.size()), timeout_s);
+           [](Endpoint* self, const std::string& host, int port, int pool_size, nb::bytes secret, double timeout_s,
+              const std::string& group_id) {
+             new (self) Endpoint(host, port, pool_size, std::string(secret.c_str(), secret.size()), timeout_s, group_id);
            },
-           nb::arg("host"), nb::arg("port"), nb::arg("pool_size"), nb::arg("secret"), nb::arg("timeout_s"))
+           nb::arg("host"), nb::arg("port"), nb::arg("pool_size"), nb::arg("secret"), nb::arg("timeout_s"), nb::arg("group_id") = "")
       .def_prop_ro("address", &Endpoint::address)
       .def_prop_ro("handle", &Endpoint::handle)
       .def_prop_ro("world", &Endpoint::world)
@@ -119,7 +120,7 @@ void bind_ring(nb::module_& m, nb::dict& targets) {
              d["bytes_received"] = ep.bytes_received.load();
              d["ops_ok"] = ep.ops_ok.load();
              d["ops_failed"] = ep.ops_failed.load();
-             d["auth_rejected"] = ep.auth_rejected.load();
+             d["auth_rejected"] = ep.auth_rejected();
              return d;
            })
       .def("close", &Endpoint::close, nb::call_guard<nb::gil_scoped_release>());

@@ -1,4 +1,4 @@
-// A ring endpoint's connections: listening and authenticating (HMAC challenge-response), building
+// A ring endpoint's connections: listening and authenticating (jaxodc-auth-v2), building
 // the ring of one epoch (connect_ring), routing each incoming operation to its all-reduce by tag
 // (the dispatcher), bandwidth probes, link emulation settings, abort and close.
 #include <fcntl.h>
@@ -12,7 +12,6 @@
 #include <stdexcept>
 
 #include "common/handles.h"
-#include "hash/sha256.h"
 #include "transport/link_shaper.h"
 #include "ring/ring.h"
 #include "ring/ring_state.h"
@@ -30,40 +29,15 @@ Handles<Endpoint>& live_endpoints() {
   return handles;
 }
 
-crypto::Digest mac(const std::string& secret, const char* label, const uint8_t* a, const uint8_t* b) {
-  uint8_t msg[6 + 64];
-  std::memcpy(msg, label, 6);
-  std::memcpy(msg + 6, a, 32);
-  std::memcpy(msg + 38, b, 32);
-  return crypto::hmac_sha256(secret.data(), secret.size(), msg, sizeof(msg));
-}
+constexpr int kMaxHandshakes = 32;
+constexpr uint64_t kMaxProbeBytes = uint64_t(1) << 32;
 
-// Client side of the challenge-response: proves knowledge of the secret and checks the server's
-// proof; the secret itself never crosses the wire.
-void client_handshake(int fd, const std::string& peer, const std::string& secret, double timeout_s,
+// Client side: authenticates as ring index `rank` (jaxodc-auth-v2), then says hello.
+void client_handshake(int fd, const std::string& peer, const auth::Identity& id, uint32_t rank, double timeout_s,
                       const Hello& hello, const std::string& my_addr, const std::atomic<bool>* abort_flag) {
-  double dl = now_seconds() + timeout_s;
-  std::string what = "authenticating to " + peer;
-  uint8_t chal[36];
-  tcp::recv_all(fd, chal, sizeof(chal), dl, abort_flag, what);
-  uint32_t magic;
-  std::memcpy(&magic, chal, 4);
-  if (magic != kAuthMagic) throw TcpError(ErrKind::kProtocol, what + ": not a jaxodc ring endpoint");
-  uint8_t reply[64];
-  tcp::fill_random(reply, 32);
-  crypto::Digest m = mac(secret, "client", chal + 4, reply);
-  std::memcpy(reply + 32, m.data(), 32);
-  tcp::send_all(fd, reply, sizeof(reply), dl, abort_flag, what);
-  crypto::Digest server_proof;
-  try {
-    tcp::recv_all(fd, server_proof.data(), 32, dl, abort_flag, what);
-  } catch (const TcpError& e) {
-    if (e.kind == ErrKind::kConnection)
-      throw TcpError(ErrKind::kConnection, what + ": authentication rejected (wrong secret?)");
-    throw;
-  }
-  if (!crypto::digest_equal(server_proof, mac(secret, "server", reply, chal + 4)))
-    throw TcpError(ErrKind::kConnection, what + ": peer failed authentication (wrong secret?)");
+  const double dl = now_seconds() + timeout_s;
+  const std::string what = "authenticating to " + peer;
+  auth::client_handshake(fd, id, rank, dl, abort_flag, what);
   Hello h = hello;
   h.addr_len = static_cast<uint32_t>(my_addr.size());
   tcp::send_all(fd, &h, sizeof(h), dl, abort_flag, what);
@@ -73,13 +47,19 @@ void client_handshake(int fd, const std::string& peer, const std::string& secret
 }  // namespace
 
 
-Endpoint::Endpoint(const std::string& host, int port, int pool_size, std::string secret, double timeout_s)
-    : host_(host), secret_(std::move(secret)), pool_size_(pool_size), timeout_s_(timeout_s) {
+Endpoint::Endpoint(const std::string& host, int port, int pool_size, std::string secret, double timeout_s,
+                   std::string group_id)
+    : host_(host), identity_{std::move(secret), "ring", std::move(group_id)}, pool_size_(pool_size),
+      timeout_s_(timeout_s) {
   if (pool_size < 1) throw std::invalid_argument("pool_size must be >= 1");
   if (!(timeout_s > 0)) throw std::invalid_argument("timeout_s must be > 0");
+  auth::check_bind(identity_.secret, host, "ring endpoint");
+  if (identity_.job_id.find('|') != std::string::npos)
+    throw std::invalid_argument("ring endpoint: group id '" + identity_.job_id + "' may not contain '|'");
   int bound = 0;
   listen_fd_ = tcp::listen_on(host, port, &bound);
   address_ = host + ":" + std::to_string(bound);
+  refusals_.rename("ring endpoint " + address_);
   acceptor_ = std::thread([this] { accept_loop(); });
   handle_ = live_endpoints().add(this);
 }
@@ -107,6 +87,7 @@ void Endpoint::close() {
   if (rs) teardown_ring(rs);
   for (auto& h : handlers) h.th.join();
   cv_.notify_all();
+  refusals_.closing();
 }
 
 void Endpoint::accept_loop() {
@@ -121,6 +102,12 @@ void Endpoint::accept_loop() {
     {
       std::lock_guard<std::mutex> g(mu_);
       if (closing_) { ::close(fd); break; }
+      if (handshakes_.load() >= kMaxHandshakes) {
+        refusals_.refused(auth::peer_address(fd), "too many connections in their handshake");
+        ::close(fd);
+        continue;
+      }
+      handshakes_++;
       for (size_t i = 0; i < handlers_.size();) {
         if (handlers_[i].done->load()) {
           finished.push_back(std::move(handlers_[i].th));
@@ -141,27 +128,24 @@ void Endpoint::accept_loop() {
 // a bandwidth probe. Bad peers are logged and dropped; nothing they send can crash the endpoint.
 void Endpoint::handle_incoming(int fd, std::shared_ptr<std::atomic<bool>> done) {
   bool keep = false;
-  std::string what = "incoming connection on " + address_;
+  const std::string from = auth::peer_address(fd);
+  std::string what = "incoming connection from " + from + " on " + address_;
   try {
-    double dl = now_seconds() + std::min(timeout_s_, 30.0);
-    uint8_t chal[36];
-    std::memcpy(chal, &kAuthMagic, 4);
-    tcp::fill_random(chal + 4, 32);
-    tcp::send_all(fd, chal, sizeof(chal), dl, &closing_, what);
-    uint8_t reply[64];
-    tcp::recv_all(fd, reply, sizeof(reply), dl, &closing_, what);
-    crypto::Digest got;
-    std::memcpy(got.data(), reply + 32, 32);
-    if (!crypto::digest_equal(got, mac(secret_, "client", chal + 4, reply))) {
-      auth_rejected++;
-      std::fprintf(stderr, "jaxodc ring %s: rejected a connection: bad authentication\n", address_.c_str());
-      throw TcpError(ErrKind::kProtocol, "bad authentication");
+    const double dl = now_seconds() + std::min(timeout_s_, auth::kHandshakeSeconds);
+    uint32_t rank;
+    try {
+      rank = auth::server_handshake(fd, identity_, auth::kMaxRank, dl, &closing_, what);
+    } catch (const std::exception& e) {
+      handshakes_--;
+      if (closing_) throw;
+      refusals_.refused(from, e.what());
+      throw auth::Rejected("refused");
     }
-    crypto::Digest proof = mac(secret_, "server", reply, chal + 4);
-    tcp::send_all(fd, proof.data(), 32, dl, &closing_, what);
+    handshakes_--;
     Hello h;
     tcp::recv_all(fd, &h, sizeof(h), dl, &closing_, what);
-    if (h.magic != kHelloMagic || h.addr_len > 256) throw TcpError(ErrKind::kProtocol, "bad hello");
+    if (h.magic != kHelloMagic || h.addr_len > 256 || (h.kind == kKindProbe && h.probe_bytes > kMaxProbeBytes))
+      throw TcpError(ErrKind::kProtocol, "bad hello from ring index " + std::to_string(rank));
     std::string src(h.addr_len, '\0');
     tcp::recv_all(fd, src.data(), src.size(), dl, &closing_, what);
     if (h.kind == kKindProbe) {
@@ -179,13 +163,13 @@ void Endpoint::handle_incoming(int fd, std::shared_ptr<std::atomic<bool>> done) 
       std::lock_guard<std::mutex> g(mu_);
       uint64_t cur = ring_ ? ring_->epoch : 0;
       if (!closing_ && (!ring_ || h.epoch > cur || (h.epoch == cur && ring_->in_fds.empty()))) {
-        pending_[h.epoch].push_back({fd, h.slot, src});
+        pending_[h.epoch].push_back({fd, h.slot, rank, src});
         keep = true;
         cv_.notify_all();
       }
     }
   } catch (const std::exception& e) {
-    if (!closing_ && std::string(e.what()) != "bad authentication")
+    if (!closing_ && !dynamic_cast<const auth::Rejected*>(&e))
       std::fprintf(stderr, "jaxodc ring %s: dropped %s: %s\n", address_.c_str(), what.c_str(), e.what());
   }
   std::lock_guard<std::mutex> g(mu_);
@@ -250,6 +234,7 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
   rs->epoch = epoch;
   rs->world = W;
   rs->rank = my_index;
+  my_index_.store(my_index);
   if (W > 1) {
     rs->next = ring[(my_index + 1) % W];
     rs->prev = ring[(my_index + W - 1) % W];
@@ -263,7 +248,8 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
           int fd = tcp::connect_to(rs->next, std::max(0.01, dl - now_seconds()), &stop);
           rs->out_fds.push_back(fd);
           Hello h{kHelloMagic, kKindRing, epoch, 0, static_cast<uint32_t>(s), 0};
-          client_handshake(fd, rs->next, secret_, std::max(0.01, dl - now_seconds()), h, ring[my_index], &stop);
+          client_handshake(fd, rs->next, identity_, static_cast<uint32_t>(my_index), std::max(0.01, dl - now_seconds()), h,
+                           ring[my_index], &stop);
         } catch (const TcpError& e) {
           std::string what = e.kind == ErrKind::kAborted ? " aborted while connecting to next peer "
                                                          : " could not connect to next peer ";
@@ -298,8 +284,10 @@ void Endpoint::connect_ring(const std::vector<std::string>& ring, int my_index, 
       }
       std::sort(conns.begin(), conns.end(), [](auto& a, auto& b) { return a.slot < b.slot; });
       std::string bad;
+      const uint32_t prev_index = static_cast<uint32_t>((my_index + W - 1) % W);
       for (auto& p : conns) {
-        if (p.src != rs->prev && bad.empty()) bad = p.src;
+        if ((p.src != rs->prev || p.rank != prev_index) && bad.empty())
+          bad = p.src + " (authenticated as ring index " + std::to_string(p.rank) + ")";
         tcp::set_nonblocking(p.fd, true);
         rs->in_fds.push_back(p.fd);
         rs->in_state.push_back(0);
@@ -391,7 +379,7 @@ double Endpoint::measure_bandwidth(const std::string& peer, size_t nbytes) {
   int fd = tcp::connect_to(peer, timeout_s_, &closing_);
   struct Closer { int fd; ~Closer() { ::close(fd); } } closer{fd};
   Hello h{kHelloMagic, kKindProbe, 0, nbytes, 0, 0};
-  client_handshake(fd, peer, secret_, timeout_s_, h, address_, &closing_);
+  client_handshake(fd, peer, identity_, static_cast<uint32_t>(my_index_.load()), timeout_s_, h, address_, &closing_);
   tcp::set_nonblocking(fd, true);
   std::vector<char> buf(std::min<size_t>(nbytes, 1 << 20), 0);
   double t0 = now_seconds();

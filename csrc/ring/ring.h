@@ -37,6 +37,7 @@
 
 #include "ring/engine.h"
 #include "ring/reduce.h"
+#include "transport/auth.h"
 
 namespace jaxodc::tcp {
 struct Link;
@@ -56,7 +57,10 @@ struct RingState;
 
 class Endpoint {
  public:
-  Endpoint(const std::string& host, int port, int pool_size, std::string secret, double timeout_s);
+  // Every connection proves `secret` (jaxodc-auth-v2, listener "ring", job id `group_id`, claimed
+  // rank = the connecting peer's ring index); an empty secret only on a loopback host.
+  Endpoint(const std::string& host, int port, int pool_size, std::string secret, double timeout_s,
+           std::string group_id = "");
   ~Endpoint();
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
@@ -87,8 +91,8 @@ class Endpoint {
   // Names this endpoint in jitted code (the `handle` attribute of the FFI all-reduce) until close.
   int64_t handle() const { return handle_; }
 
-  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_ok{0}, ops_failed{0},
-      auth_rejected{0};
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_ok{0}, ops_failed{0};
+  uint64_t auth_rejected() const { return refusals_.count(); }
 
  private:
   friend struct OpRunner;
@@ -100,7 +104,11 @@ class Endpoint {
   std::vector<char>* take_work(size_t n);
   void give_work(std::vector<char>* w);
 
-  std::string host_, address_, secret_;
+  std::string host_, address_;
+  auth::Identity identity_;
+  std::atomic<int> handshakes_{0};  // in flight (bounded: idle connections cannot pile up)
+  auth::RefusalLog refusals_{"ring"};
+  std::atomic<int> my_index_{0};    // my index in the current ring: the rank my connections claim
   int pool_size_;
   double timeout_s_;
   size_t piece_bytes_ = 1 << 20;
@@ -112,7 +120,7 @@ class Endpoint {
   std::mutex mu_;  // ring_, pending_, handlers_, links_, work_, connecting_
   std::condition_variable cv_;
   std::shared_ptr<RingState> ring_;
-  struct Pending { int fd; uint32_t slot; std::string src; };
+  struct Pending { int fd; uint32_t slot; uint32_t rank; std::string src; };
   std::map<uint64_t, std::vector<Pending>> pending_;  // epoch -> authenticated ring connections
   struct Handler { std::thread th; std::shared_ptr<std::atomic<bool>> done; };
   std::vector<Handler> handlers_;  // finished ones are reaped by the acceptor

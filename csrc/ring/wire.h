@@ -7,7 +7,6 @@
 
 namespace jaxodc::ring {
 
-constexpr uint32_t kAuthMagic = 0x3152584a;   // "JXR1"
 constexpr uint32_t kHelloMagic = 0x4c454831;  // hello after authentication
 constexpr uint32_t kStartMagic = 0x54525331;  // start of one all-reduce on a connection
 constexpr uint32_t kFrameMagic = 0x4d524631;  // one piece

@@ -67,7 +67,9 @@ void send_shaped(int fd, const void* buf, size_t n, Link& link, double timeout_s
 // (sent_at: now_seconds() when its sender started it; one clock for all processes of a host).
 inline void arrive_after(double sent_at, double bytes, double rate, double latency) {
   if (latency <= 0) return;
-  const double wait = sent_at + (rate > 0 ? bytes / rate : 0.0) + latency - now_seconds();
+  // sent_at comes from the peer: one in the future (or NaN) holds nothing back beyond the link's own delay.
+  const double now = now_seconds();
+  const double wait = std::min(sent_at, now) + (rate > 0 ? bytes / rate : 0.0) + latency - now;
   if (wait > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait));
 }
 

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "diloco": "jaxodc.bench.diloco",
     "compile": "jaxodc.bench.compile",
     "load": "jaxodc.bench.load",
+    "fuzz": "jaxodc.bench.fuzz",
 }
 
 

@@ -190,7 +190,7 @@ class Communicator:
     def connect(self) -> "Communicator":
         from jaxodc.comm.ring import RingEndpoint
         self.ep = RingEndpoint(host=self.host, port=0, pool_size=self.pool_size, secret=self.secret,
-                               timeout_s=self.ring_timeout_s)
+                               timeout_s=self.ring_timeout_s, group_id=ss.job_of(self.peer_group))
         self.ss_server = ss.SharedStateServer(self.host, self.secret, timeout_s=self.timeout_s,
                                               job_id=ss.job_of(self.peer_group))
         host, port = P.parse_address(self.address)

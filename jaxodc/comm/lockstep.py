@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from jaxodc._native import C as _C
+from jaxodc.auth import secret_from_env
 
 KINDS = {"gather": 0, "scatter": 1, "reduce": 2}
 DTYPES = {"float32": 0, "bfloat16": 1}
@@ -58,11 +59,13 @@ class LockstepGroup:
       listen_host: address of this rank's TCP listener (default $JAXODC_ODC_HOST or 127.0.0.1).
       job_id: names the shared-memory segment (default $JAXODC_JOB_ID); the name is removed once
         every peer mapped it.
+      secret: the job secret every tcp link proves (jaxodc.auth; listener "lockstep_tcp", bound to
+        the job id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
     """
 
     def __init__(self, channels: Sequence[Channel], *, rank: int, world: int,
                  allgather: Callable[[bytes], list[bytes]], link: str = "auto", timeout_s: float = 60.0,
-                 listen_host: str | None = None, job_id: str | None = None):
+                 listen_host: str | None = None, job_id: str | None = None, secret: bytes | None = None):
         if link not in ("auto", "shm", "tcp"):
             raise ValueError(f"rank {rank}: lockstep link must be auto, shm or tcp, got {link!r}")
         self.channels = tuple(Channel(*c) for c in channels)
@@ -74,12 +77,14 @@ class LockstepGroup:
         self.rank, self.world = rank, world
         from jaxodc.odc.runtime import host_identity
 
-        job = job_id or os.environ.get("JAXODC_JOB_ID") or f"p{os.getpid()}{secrets.token_hex(3)}"
+        job_id = job_id or os.environ.get("JAXODC_JOB_ID") or ""  # the same on every rank: it is authenticated
+        job = job_id or f"p{os.getpid()}{secrets.token_hex(3)}"
         shm_name = f"/jaxodc_{job}_lockstep{rank}_{next(_names)}"
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
         self._native = _C.LockstepGroup(rank, world, shm_name, [(KINDS[c.kind], int(c.n), c.name, DTYPES[c.dtype])
                                                                    for c in self.channels],
-                                        float(timeout_s), listen_host)
+                                        float(timeout_s), listen_host,
+                                        secret_from_env() if secret is None else bytes(secret), job_id)
         try:
             me = {"rank": rank, "host": host_identity(), "address": listen_host, "port": self._native.port,
                   "shm_name": shm_name, "layout": self._native.layout_hash}

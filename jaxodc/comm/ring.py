@@ -95,13 +95,17 @@ class RingHandle:
 
 
 class RingEndpoint:
-    """One peer's ring endpoint (see the module docstring)."""
+    """One peer's ring endpoint (see the module docstring).
+
+    Every connection runs jaxodc-auth-v2 (jaxodc.auth) on `secret` with listener "ring", job id
+    `group_id` (the communicator's peer group) and, as the claimed rank, the connecting peer's index
+    in the ring (checked against the previous peer's); an empty secret only on a loopback host."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, pool_size: int = 2,
-                 secret: bytes = b"", timeout_s: float = 30.0):
+                 secret: bytes = b"", timeout_s: float = 30.0, group_id: str = ""):
         if isinstance(secret, str):
             secret = secret.encode()
-        self._ep = _C.RingEndpoint(host, int(port), int(pool_size), bytes(secret), float(timeout_s))
+        self._ep = _C.RingEndpoint(host, int(port), int(pool_size), bytes(secret), float(timeout_s), str(group_id))
         self.pool_size = int(pool_size)
         self.timeout_s = float(timeout_s)
         self._closed = False

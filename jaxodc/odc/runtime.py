@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 
 from jaxodc._native import C as _C
+from jaxodc.auth import secret_from_env
 
 TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3, "nvshmem": 4}
 NVSHMEM_PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_nvshmem_plugin.so")
@@ -216,18 +217,21 @@ class Runtime:
       slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller slots
         save server memory, pushes then travel in chunks. Every rank must pass the same.
       link: an emulated slower network for the tcp transport (`Link`), None for none.
+      secret: the job secret every tcp peer proves (jaxodc.auth; listener "odc_tcp", bound to
+        job_id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
     """
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
                  listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0,
-                 link: Link | None = None):
+                 link: Link | None = None, secret: bytes | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
         ordinal = resolve_device(device, rank)
+        secret = secret_from_env() if secret is None else bytes(secret)
         self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host,
-                                     int(slot_elems))
+                                     int(slot_elems), secret)
         try:
             if link is not None:  # before the peer exchange: peers connect once they know our address
                 self._native.set_link(link.mbps * 1e6 / 8, link.ms / 1e3)
@@ -292,7 +296,7 @@ class Runtime:
           **kwargs: Runtime's keyword arguments (transport, timeout_s, device, ...).
         """
         return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
-                   job_id=ctx.job_id, **kwargs)
+                   job_id=ctx.job_id, **{"secret": ctx.secret, **kwargs})
 
     @property
     def handle(self) -> int:

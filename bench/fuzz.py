@@ -1,0 +1,639 @@
+"""`jaxodc bench fuzz`: a protocol fuzzer for every listener of a jaxodc job.
+
+Every listener (`jaxodc.auth.LISTENERS`) starts with the same jaxodc-auth-v2 handshake, so the
+unauthenticated cases are generic: random bytes, truncated and oversized handshake replies,
+claimed ranks and lengths at the edges of their integer types, valid-looking transcripts replayed
+with a stale nonce, a wrong or missing secret, another listener's or job's tags, and idle
+connections held open. A case is *rejected* when the listener ends the connection (or lets it
+time out) without proving the secret; a listener that ever sends a valid proof to one of these
+peers has let an unauthenticated peer in.
+
+Two kinds of job are disturbed, each compared with an undisturbed run of the same job:
+
+- ``--jobs native`` (default; no jax): a 2-rank job in this process over the native listeners --
+  an ODC runtime pair over tcp (`odc_tcp`: minibatches of scatter_accumulate / wait_complete /
+  fetch_grad), a lock-step group pair with tcp links (`lockstep_tcp`: all-reduces) and a ring
+  endpoint pair (`ring`: all-reduces). With two ranks every sum is exact whatever the arrival
+  order, so the disturbed results must equal the undisturbed ones bit for bit (`same_params`).
+- ``--jobs train``: 2-rank ``jaxodc train`` runs (ODC over tcp: `odc_tcp`, `rendezvous`; two sites
+  of DiLoCo: `coord`, `ring`, `shared_state`); their listening ports are found from the ranks'
+  sockets (/proc) and told apart by a handshake with the job secret. `same_params` compares the
+  runs' ``params_sha256`` when their records carry it, else their final losses.
+
+One record per listener: {"listener", "cases", "rejected", "crashes", "same_params"}; `crashes`
+counts ranks or listeners that died (a listener that stops answering, a rank that exits non-zero
+or logs a sanitizer report). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
+
+    python -m jaxodc bench fuzz --json fuzz.json                 # native listeners
+    python -m jaxodc bench fuzz --jobs native,train --json fuzz.json
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from jaxodc import auth
+
+SECRET = bytes.fromhex("6a61786f64632d66757a7a2d7365637265742d30303031")
+MAGIC_LEN = len(auth.MAGIC) + auth.NONCE_BYTES
+REPLY_LEN = auth.NONCE_BYTES + 4 + auth.TAG_BYTES
+RANK_EDGES = (0, 1, 2, 3, 127, 128, 255, 256, (1 << 15) - 1, 1 << 15, (1 << 20) - 1, 1 << 20,
+              (1 << 31) - 1, 1 << 31, (1 << 32) - 1)
+LEN_EDGES = (0, 1, 3, 4, 35, 36, 37, 67, 68, 69, 100, 4095, 4096, 65536)
+KINDS = ("random", "truncated", "oversized", "rank_edge", "wrong_secret", "no_secret", "stale_nonce",
+         "replay", "other_listener", "other_job", "bad_magic_echo", "idle")
+
+
+# -- one case ---------------------------------------------------------------------------------------
+
+class Target:
+    """One listener of the job: where it listens and what a rank of the job would prove to it."""
+
+    def __init__(self, listener: str, host: str, port: int, job_id: str, world: int, secret: bytes):
+        self.listener, self.host, self.port = listener, host, port
+        self.job_id, self.world, self.secret = job_id, world, secret
+        self.cases = self.rejected = 0
+        self.admitted: list[str] = []  # kinds of case a listener let in (must stay empty)
+        self.lock = threading.Lock()
+
+    def count(self, kind: str, rejected: bool) -> None:
+        with self.lock:
+            self.cases += 1
+            self.rejected += bool(rejected)
+            if not rejected:
+                self.admitted.append(kind)
+
+    def alive(self) -> bool:
+        """The listener still answers a connection with its challenge."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=5) as s:
+                s.settimeout(5)
+                return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
+        except OSError:
+            return False
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def _reply(t: Target, nonce_s: bytes, rank: int, secret: bytes, listener: str | None = None,
+           job_id: str | None = None) -> bytes:
+    nc = os.urandom(auth.NONCE_BYTES)
+    tag = auth.tag(secret, "client", listener or t.listener, t.job_id if job_id is None else job_id,
+                   rank, nonce_s, nc)
+    return nc + struct.pack("<I", rank) + tag
+
+
+def _proved(t: Target, s: socket.socket, nonce_s: bytes, reply: bytes) -> bool:
+    """Whether the listener answered `reply` with a valid proof of the secret (it must not)."""
+    try:
+        s.settimeout(10)
+        proof = _recv_exact(s, auth.TAG_BYTES)
+    except OSError:
+        return False
+    if len(proof) < auth.TAG_BYTES:
+        return False
+    rank = struct.unpack("<I", reply[auth.NONCE_BYTES:auth.NONCE_BYTES + 4])[0]
+    try:
+        return proof == auth.tag(t.secret, "server", t.listener, t.job_id, rank, nonce_s, reply[:auth.NONCE_BYTES])
+    except ValueError:
+        return True  # any answer to a rank no listener may admit
+
+
+def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
+    """Runs one case against `t`; True when it was rejected, None when nothing listens any more."""
+    try:
+        s = socket.create_connection((t.host, t.port), timeout=10)
+    except ConnectionRefusedError:
+        return None
+    except OSError:
+        return True
+    with s:
+        s.settimeout(10)
+        try:
+            hello = _recv_exact(s, MAGIC_LEN)
+            if len(hello) < MAGIC_LEN or hello[:4] != auth.MAGIC:
+                return True
+            ns = hello[4:]
+            rank = rng.randrange(t.world)
+            if kind == "random":
+                s.sendall(os.urandom(rng.choice(LEN_EDGES + (rng.randrange(1, 2048),))))
+                s.shutdown(socket.SHUT_WR)
+                return not _answered_with_proof(s)
+            if kind == "truncated":
+                s.sendall(_reply(t, ns, rank, t.secret)[:rng.randrange(REPLY_LEN)])
+                s.shutdown(socket.SHUT_WR)
+                return not _answered_with_proof(s)
+            if kind == "oversized":  # a garbage reply followed by far more bytes than any frame
+                s.sendall(os.urandom(REPLY_LEN))
+                try:
+                    s.sendall(os.urandom(rng.choice((4096, 1 << 16, 1 << 20))))
+                except OSError:
+                    return True
+                s.shutdown(socket.SHUT_WR)
+                return not _answered_with_proof(s)
+            if kind == "rank_edge":  # a claimed rank at an integer edge, tag from a wrong secret
+                r = rng.choice(RANK_EDGES)
+                nc = os.urandom(auth.NONCE_BYTES)
+                reply = nc + struct.pack("<I", r) + os.urandom(auth.TAG_BYTES)
+                s.sendall(reply)
+                return not _proved(t, s, ns, reply)
+            if kind in ("wrong_secret", "no_secret"):
+                secret = b"" if kind == "no_secret" else os.urandom(rng.choice((1, 16, 32, 100)))
+                reply = _reply(t, ns, rank, secret)
+                s.sendall(reply)
+                return not _proved(t, s, ns, reply)
+            if kind in ("stale_nonce", "replay"):
+                # A reply the job secret made for an earlier challenge: replayed byte for byte, or
+                # re-tagged over that earlier (stale) nonce.
+                old_ns = stale[0] if stale else os.urandom(auth.NONCE_BYTES)
+                stale[:] = [ns]
+                reply = _reply(t, old_ns, rank, t.secret)
+                s.sendall(reply)
+                return not _proved(t, s, ns, reply)
+            if kind == "other_listener":
+                other = rng.choice([x for x in auth.LISTENERS if x != t.listener])
+                reply = _reply(t, ns, rank, t.secret, listener=other)
+                s.sendall(reply)
+                return not _proved(t, s, ns, reply)
+            if kind == "other_job":
+                reply = _reply(t, ns, rank, t.secret, job_id=t.job_id + "x")
+                s.sendall(reply)
+                return not _proved(t, s, ns, reply)
+            if kind == "bad_magic_echo":  # the server's own challenge sent back
+                s.sendall(hello + hello[:REPLY_LEN - MAGIC_LEN])
+                s.shutdown(socket.SHUT_WR)
+                return not _answered_with_proof(s)
+            if kind == "idle":  # held open without a word, then dropped
+                time.sleep(rng.uniform(0.2, 1.0))
+                return True
+            raise ValueError(kind)
+        except OSError:
+            return True  # the listener ended the connection
+
+
+def _answered_with_proof(s: socket.socket) -> bool:
+    """After garbage: anything but the end of the connection is an answer it must not give."""
+    try:
+        s.settimeout(10)
+        return len(_recv_exact(s, auth.TAG_BYTES)) == auth.TAG_BYTES
+    except OSError:
+        return False
+
+
+def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
+         stop: threading.Event | None = None) -> None:
+    """Runs `cases` cases (or {listener: cases}) against every target, spread over the kinds of case,
+    all targets at once. Cases that find the listener gone (the job ended) are not counted."""
+    work = []
+    for i, t in enumerate(targets):
+        rng = random.Random(seed * 1000 + i)
+        n = cases if isinstance(cases, int) else cases[t.listener]
+        work += [(t, KINDS[k % len(KINDS)], random.Random(rng.random())) for k in range(n)]
+    random.Random(seed).shuffle(work)
+    stale: dict[str, list] = {t.listener + str(t.port): [] for t in targets}
+
+    def one(item):
+        t, kind, rng = item
+        if stop is not None and stop.is_set():
+            return
+        rejected = run_case(t, kind, rng, stale[t.listener + str(t.port)])
+        if rejected is not None:
+            t.count(kind, rejected)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, work))
+
+
+# -- the native job (in this process) -----------------------------------------------------------------
+
+class _Allgather:
+    """allgather across the threads of an in-process job (one call per rank, in step)."""
+
+    def __init__(self, world: int):
+        self.world, self.cv, self.rounds = world, threading.Condition(), {}
+
+    def __call__(self, key, rank: int, value: bytes) -> list[bytes]:
+        with self.cv:
+            got = self.rounds.setdefault(key, {})
+            got[rank] = value
+            self.cv.notify_all()
+            if not self.cv.wait_for(lambda: len(got) == self.world, timeout=120):
+                raise TimeoutError(f"in-process allgather {key!r}: {len(got)} of {self.world} ranks")
+            return [got[r] for r in range(self.world)]
+
+
+class _Rendezvous:
+    """What jaxodc.odc.Runtime needs of a rendezvous, for the ranks of one process."""
+
+    def __init__(self, ag: _Allgather, rank: int):
+        self.ag, self.rank = ag, rank
+
+    def allgather(self, key, value, world, timeout_s=None):
+        return self.ag(key, self.rank, value)
+
+    def barrier(self, key, world, timeout_s=None):
+        self.ag(key, self.rank, b"")
+
+
+def native_job(job_id: str, secret: bytes, steps: int, started=None) -> dict:
+    """A 2-rank job over the native listeners in this process: returns each part's results
+    (arrays), bit-exact functions of `steps` alone. `started(targets)` runs once they listen and
+    returns an event the ranks wait for before they close (None: close at once)."""
+    from jaxodc.comm.lockstep import Channel, LockstepGroup
+    from jaxodc.comm.ring import RingEndpoint
+    from jaxodc.odc.runtime import Runtime
+
+    world, sizes = 2, [33, 1000, 4096]
+    ag = _Allgather(world)
+    out: dict = {"odc_tcp": [None] * world, "lockstep_tcp": [None] * world, "ring": [None] * world}
+    targets: list[Target] = []
+    errors: list[str] = []
+    ready = threading.Barrier(world + 1)
+    go = threading.Event()
+    release = threading.Event()
+    calls = [itertools.count() for _ in range(world)]
+
+    def grad(rank, u, step):
+        return np.random.default_rng([rank, u, step]).standard_normal(sizes[u]).astype(np.float32)
+
+    def rank_main(rank):
+        rt = group = ep = None
+        try:
+            rt = Runtime(sizes, rank=rank, world=world, rendezvous=_Rendezvous(ag, rank), job_id=job_id,
+                         transport="tcp", timeout_s=60, device=None, secret=secret)
+            group = LockstepGroup([Channel("reduce", 777, "r")], rank=rank, world=world, link="tcp", timeout_s=60,
+                                  allgather=lambda b: ag(("lockstep", next(calls[rank])), rank, b), job_id=job_id,
+                                  secret=secret)
+            ep = RingEndpoint(secret=secret, group_id=job_id, timeout_s=60)
+            addrs = [a.decode() for a in ag("ring", rank, ep.address.encode())]
+            ep.connect_ring(addrs, rank, 1)
+            targets.extend([Target("odc_tcp", "127.0.0.1", rt._native.port, job_id, world, secret),
+                            Target("lockstep_tcp", "127.0.0.1", group._native.port, job_id, world, secret),
+                            Target("ring", "127.0.0.1", int(ep.address.rsplit(":", 1)[1]), job_id, 1 << 20,
+                                   secret)])
+            ready.wait(120)
+            go.wait(120)
+            odc, ls, rg = [], [], []
+            for step in range(steps):
+                for u in range(len(sizes)):
+                    rt.scatter_accumulate(u, step, grad(rank, u, step))
+                rt.done(step)
+                rt.wait_complete(step)
+                odc += [rt.fetch_grad(u).copy() for u in range(len(sizes))]
+                ls.append(group.run(0, grad(rank, 1, step)[:777]))
+                rg.append(ep.all_reduce(grad(rank, 2, step)))
+                time.sleep(0.05)  # the job lasts while the fuzzer works on it
+            out["odc_tcp"][rank], out["lockstep_tcp"][rank], out["ring"][rank] = odc, ls, rg
+            release.wait(600)  # the listeners stay up until the fuzzer has checked them
+        except Exception as e:  # noqa: BLE001 - reported as the job's failure
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+            try:
+                ready.abort()
+            except threading.BrokenBarrierError:
+                pass
+        finally:
+            for closer in (lambda: group and group.close(), lambda: ep and ep.close(),
+                           lambda: rt and rt.close(barrier=False)):
+                try:
+                    closer()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"rank {rank}: close: {e}")
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for th in threads:
+        th.start()
+    try:
+        ready.wait(120)
+        hold = started(targets) if started is not None else None
+    except threading.BrokenBarrierError:
+        hold = None
+    go.set()
+    if hold is None:
+        release.set()
+    else:
+        threading.Thread(target=lambda: (hold.wait(900), release.set()), daemon=True).start()
+    for th in threads:
+        th.join(600)
+    return {"results": out, "errors": errors, "targets": targets}
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    return all(len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y)) for x, y in zip(a, b))
+
+
+def run_native(cases_per_listener: int, steps: int, seed: int, threads: int) -> list[dict]:
+    calm = native_job(f"fz{os.getpid()}a", SECRET, steps)
+    holder: dict = {}
+
+    def attack(targets):
+        # The fuzzer runs beside the job, from the moment its listeners are up; the job closes once
+        # the fuzzer has checked that every listener still answers.
+        done = threading.Event()
+
+        def work():
+            try:
+                fuzz(targets, cases_per_listener // 2, seed, threads)  # two ranks: two listeners of each kind
+            finally:
+                holder["dead"] = [t for t in targets if not t.alive()]
+                done.set()
+
+        holder["thread"] = threading.Thread(target=work)
+        holder["thread"].start()
+        holder["targets"] = targets
+        return done
+
+    stormy = native_job(f"fz{os.getpid()}b", SECRET, steps, started=attack)
+    if "thread" not in holder:
+        raise RuntimeError(f"the native job did not start: {stormy['errors']}")
+    holder["thread"].join()
+    records = []
+    for name in ("odc_tcp", "lockstep_tcp", "ring"):
+        ts = [t for t in holder["targets"] if t.listener == name]
+        crashes = sum(t in holder["dead"] for t in ts) + len(stormy["errors"])
+        records.append({"listener": name, "job": "native", "cases": sum(t.cases for t in ts),
+                        "rejected": sum(t.rejected for t in ts), "admitted": sum((t.admitted for t in ts), []),
+                        "crashes": crashes, "errors": stormy["errors"] + calm["errors"],
+                        "same_params": _same(calm["results"][name], stormy["results"][name])})
+    return records
+
+
+# -- jaxodc train jobs (every listener, the Python ones included) --------------------------------------
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process `pid` listens on (its sockets' inodes matched in /proc/net/tcp)."""
+    inodes = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(fd))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            out += [int(c) for c in open(task).read().split()]
+        except OSError:
+            pass
+    return out + [g for c in out for g in _children(c)]
+
+
+def _speaks_v2(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.settimeout(2)
+            return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
+    except OSError:
+        return False
+
+
+def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes] | None:
+    """Which listener, job id and secret answer a handshake on `port`; None when none does (a listener
+    that does not challenge its peers at all among them)."""
+    if not _speaks_v2(port):
+        return None
+    for secret in secrets:
+        for job in job_ids:
+            for name in auth.LISTENERS:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                        auth.client_handshake(s, secret, name, job, 0, timeout_s=5)
+                        return name, job, secret
+                except (OSError, auth.AuthError):
+                    continue
+    return None
+
+
+def _train(args: list[str], json_path: str, secret: bytes, timeout_s: float, discover=None):
+    env = dict(os.environ, **{auth.SECRET_ENV: secret.hex()})
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxodc", "train", "--json", json_path] + args, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    extra = discover(proc) if discover is not None else None
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = -9
+    log.seek(0)
+    text = log.read()
+    log.close()
+    os.unlink(log.name)
+    return rc, text, extra
+
+
+def _final(json_path: str):
+    """What two runs must share: every run's last params_sha256 when its records carry one (wt-repro's
+    reproducible accumulation adds it), else every rank's loss at the last minibatch; for sites, the
+    sha256 of every site's final parameter shards."""
+    site_files = sorted(glob.glob(json_path + ".site*.json"))
+    if site_files:
+        h = hashlib.sha256()
+        for path in site_files:
+            with open(path) as f:
+                h.update(json.dumps(json.load(f)["shards"], sort_keys=True).encode())
+        return ("shards_sha256", h.hexdigest())
+    try:
+        with open(json_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    hashes = {name: [r["params_sha256"] for r in recs if r.get("params_sha256")] for name, recs in raw.items()}
+    if hashes and all(hashes.values()):
+        return ("params_sha256", {name: h[-1] for name, h in hashes.items()})
+    last: dict = {}
+    for name, recs in raw.items():
+        for r in recs:
+            key = f"{name} rank {r['rank']}"
+            if key not in last or r["step"] >= last[key][0]:
+                last[key] = (r["step"], r["loss"])
+    return ("final_loss", sorted(last.items()))
+
+
+def _secrets_of(pids: list[int]) -> list[bytes]:
+    """The secrets the job's processes were handed: $JAXODC_JOB_SECRET and any --secret-file."""
+    found = []
+    for pid in pids:
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        found += [bytes.fromhex(e.split(b"=", 1)[1].decode()) for e in env if e.startswith(auth.SECRET_ENV.encode() + b"=")]
+        for flag, path in zip(argv, argv[1:]):
+            if flag == b"--secret-file":
+                try:
+                    found.append(auth.read_secret_file(path.decode()))
+                except auth.AuthError:
+                    pass
+    return list(dict.fromkeys(found))
+
+
+# job -> (its jaxodc train arguments, the listeners it opens)
+TRAIN_JOBS = {
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"}),
+}
+CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
+               "core dumped", "Fatal Python error")
+
+
+def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, timeout_s: float) -> list[dict]:
+    records = []
+    for job, (job_args, expected) in TRAIN_JOBS.items():
+        args = job_args + ["--steps", str(steps), "--seed", str(seed)]
+        with tempfile.TemporaryDirectory() as tmp:
+            calm_rc, calm_log, _ = _train(args, os.path.join(tmp, "calm.json"), SECRET, timeout_s)
+
+            def discover(proc):
+                found: dict[int, Target] = {}
+                unknown: set[int] = set()  # listening ports that answer no handshake of the job
+                deadline = time.monotonic() + min(timeout_s, 300)
+                settled = None  # when the set of listeners last grew
+                while time.monotonic() < deadline and proc.poll() is None:
+                    pids = _children(proc.pid)
+                    job_ids = []
+                    for pid in pids:
+                        try:
+                            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                        except OSError:
+                            continue
+                        job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
+                    job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
+                    secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
+                    for pid in pids + [proc.pid]:
+                        for port in _listening_ports(pid) - set(found) - unknown:
+                            who = _identify(port, secrets, job_ids)
+                            if who:
+                                found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2])
+                            else:
+                                unknown.add(port)
+                            settled = time.monotonic()
+                    kinds = {t.listener for t in found.values()}
+                    if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
+                        break
+                    time.sleep(0.5)
+                targets = list(found.values())
+                if proc.poll() is None and targets:
+                    per = {k: max(1, cases_per_listener // sum(t.listener == k for t in targets))
+                           for k in {t.listener for t in targets}}
+                    fuzz(targets, per, seed, threads)
+                    for t in targets:
+                        t.dead = proc.poll() is None and not t.alive()
+                return targets, sorted(unknown)
+
+            rc, log, (targets, unknown) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s, discover)
+            calm, stormy = _final(os.path.join(tmp, "calm.json")), _final(os.path.join(tmp, "stormy.json"))
+            marks = [m for m in CRASH_MARKS if m in log]
+            for name in sorted({t.listener for t in targets or []}):
+                ts = [t for t in targets if t.listener == name]
+                records.append({"listener": name, "job": job, "cases": sum(t.cases for t in ts),
+                                "rejected": sum(t.rejected for t in ts), "admitted": sum((t.admitted for t in ts), []),
+                                "crashes": sum(getattr(t, "dead", False) for t in ts) + (rc != 0) + len(marks),
+                                "same_params": calm is not None and calm == stormy and calm_rc == 0,
+                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks})
+            for port in unknown:  # listening, but without the job's handshake: fails the bar
+                records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
+                                "crashes": 0, "same_params": False,
+                                "error": "a listening socket of the job that answers no jaxodc-auth-v2 handshake"})
+            if not targets:
+                records.append({"listener": None, "job": job, "cases": 0, "rejected": 0, "crashes": int(rc != 0),
+                                "same_params": False, "error": "no listener found", "log_tail": log[-2000:]})
+    return records
+
+
+def _merge(records: list[dict]) -> list[dict]:
+    """One record per listener (a listener fuzzed in several jobs sums its counts)."""
+    out: dict = {}
+    for r in records:
+        m = out.setdefault(r["listener"], {"listener": r["listener"], "cases": 0, "rejected": 0, "crashes": 0,
+                                           "same_params": True, "jobs": [], "admitted": []})
+        m["cases"] += r["cases"]
+        m["rejected"] += r["rejected"]
+        m["crashes"] += r["crashes"]
+        m["same_params"] = m["same_params"] and r["same_params"]
+        m["admitted"] += r.get("admitted", [])
+        m["jobs"].append({k: v for k, v in r.items() if k not in ("listener", "admitted")})
+    return list(out.values())
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="jaxodc bench fuzz")
+    p.add_argument("--json", metavar="PATH", help="one record per listener")
+    p.add_argument("--jobs", default="native", help="native (the C++ listeners, in this process) and/or train "
+                                                    "(jaxodc train runs: every listener), comma separated")
+    p.add_argument("--cases", type=int, default=2000, help="fuzz cases per listener and job")
+    p.add_argument("--steps", type=int, default=60, help="minibatches of each job")
+    p.add_argument("--threads", type=int, default=8, help="concurrent fuzz connections")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds a train job may take")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = _args(sys.argv[1:] if argv is None else argv)
+    records = []
+    jobs = [j.strip() for j in a.jobs.split(",") if j.strip()]
+    for j in jobs:
+        if j not in ("native", "train"):
+            print(f"jaxodc bench fuzz: unknown job kind {j!r} (native, train)", file=sys.stderr)
+            return 2
+    if "native" in jobs:
+        records += run_native(a.cases, a.steps, a.seed, a.threads)
+    if "train" in jobs:
+        records += run_train(a.cases, a.steps, a.seed, a.threads, a.timeout)
+    merged = _merge(records)
+    total = sum(r["cases"] for r in merged)
+    for r in merged:
+        print(f"{r['listener']!s:>13}: {r['cases']:6d} cases, {r['rejected']:6d} rejected, {r['crashes']} crashes, "
+              f"same params: {r['same_params']}")
+    ok = total >= 10000 and all(r["crashes"] == 0 and r["rejected"] == r["cases"] for r in merged)
+    print(f"{total} cases in all; bars (>= 10000 cases, 0 crashes, every case rejected): {'met' if ok else 'NOT met'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(merged, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
