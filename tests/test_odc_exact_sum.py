@@ -185,3 +185,17 @@ def ranks_body(ctx, transport, seed):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_sums_do_not_depend_on_arrival_order_or_pushing_rank(transport):
     assert run_ranks(ranks_body, 3, args=(transport, 5), timeout_s=120) == [True, True, True]
+
+
+def test_large_sums_and_many_pushes():
+    """Sums past 2^25 (the wide conversion at the end) and more pushes than the lo limbs hold
+    between carries (2^11) are still the correctly rounded sum, in any order."""
+    rng = np.random.default_rng(9)
+    big = [{0: (rng.uniform(2.0 ** 21, 2.0 ** 23, 16) * rng.choice([-1, 1], 16) + rng.uniform(0, 1, 16)).astype(np.float32)}
+           for _ in range(12)]
+    many = [{0: (rng.standard_normal(4) * 10.0 ** rng.uniform(-6, 2, 4)).astype(np.float32)} for _ in range(2100)]
+    for data in (big, many):
+        ref = reference([p[0] for p in data])
+        for order in (range(len(data)), range(len(data) - 1, -1, -1)):
+            got = sums_in_order(order, data, sizes=[len(data[0][0])])[0]
+            np.testing.assert_array_equal(bits(got), bits(ref))

@@ -17,11 +17,19 @@ using UFixed = unsigned __int128;
 constexpr uint32_t kAbs = 0x7fffffffu;
 // The fp32 bits of 2^kMaxExp: finite values below it have smaller absolute bit patterns.
 constexpr uint32_t kLimitBits = static_cast<uint32_t>(127 + Accumulator::kMaxExp) << 23;
-static_assert(Accumulator::kMaxExp + Accumulator::kFracBits + 1 <= 127, "the fixed-point sums must fit an int128");
+constexpr int kLoBits = 52;
+constexpr int64_t kLoMask = (int64_t{1} << kLoBits) - 1;
+// |x| < 2^kMaxExp keeps floor(x * 2^80 / 2^52) below 2^51, where the magic-number conversions hold.
+static_assert(Accumulator::kMaxExp + Accumulator::kFracBits - kLoBits <= 51, "hi limb of one value too wide");
+static_assert(Accumulator::kBoundExp + Accumulator::kFracBits - kLoBits <= 62, "hi limbs' sum may overflow");
+// After a carry lo is in [0, 2^52); each push adds at most 2^51 in magnitude.
+static_assert(Accumulator::kCarryEvery <= (1 << 11), "lo limbs may overflow between carries");
 
-inline uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
+constexpr double kMagic = 0x1.8p52;  // 1.5 * 2^52: (z + kMagic) - kMagic rounds |z| < 2^51 to an integer
+
+inline int64_t bits_of(double x) {
+  int64_t b;
+  std::memcpy(&b, &x, 8);
   return b;
 }
 
@@ -31,58 +39,58 @@ inline float float_of(uint32_t b) {
   return x;
 }
 
-// x * 2^kFracBits as an integer, x given by its bits with |x| < 2^kMaxExp: exact when the result
-// is an integer (|x| >= 2^-57), else rounded to nearest, ties to even.
-inline Fixed to_fixed(uint32_t b) {
-  const uint32_t a = b & kAbs;
-  const int e = static_cast<int>(a >> 23);
-  const uint64_t m = (a & 0x7fffffu) | (e ? 0x800000u : 0u);
-  const int sh = (e ? e : 1) - 150 + Accumulator::kFracBits;  // x = m * 2^((e ? e : 1) - 150)
-  Fixed v;
-  if (sh >= 0) {
-    v = static_cast<Fixed>(m) << sh;
-  } else if (sh <= -25) {
-    v = 0;  // m < 2^24 <= half a grid step
-  } else {
-    const int r = -sh;
-    const uint64_t q = m >> r, rem = m & ((uint64_t{1} << r) - 1), half = uint64_t{1} << (r - 1);
-    v = static_cast<Fixed>(q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0));
+// Adds x[i] * 2^80 (rounded to an integer, ties to even, below 2^-57) to hi[i] * 2^52 + lo[i];
+// every |x[i]| < 2^kMaxExp. Straight-line double arithmetic (every step exact but the one rounding
+// of a sub-grid value), so the loop vectorises.
+void add_fixed(const float* x, int64_t count, int64_t* lo, int64_t* hi) {
+  const int64_t magic_bits = bits_of(kMagic);
+  for (int64_t i = 0; i < count; ++i) {
+    const double y = static_cast<double>(x[i]) * 0x1p80;  // exact; |y| < 2^103
+    const double h = (y * 0x1p-52 + kMagic) - kMagic;      // y / 2^52 rounded to an integer, |h| <= 2^51
+    const double l = y - h * 0x1p52;                       // exact: y's bits below 2^52, |l| <= 2^51
+    hi[i] += bits_of(h + kMagic) - magic_bits;
+    lo[i] += bits_of(l + kMagic) - magic_bits;  // rounds l to an integer (only a sub-grid y has a fraction)
   }
-  return (b >> 31) ? -v : v;
 }
 
-// s * 2^-kFracBits rounded to the nearest fp32, ties to even (one rounding: the 25 leading bits
-// of |s| and a sticky bit decide it).
+// s * 2^-80 rounded to the nearest fp32, ties to even: the 62 leading bits of |s| with a sticky
+// bit below them, converted by the hardware (one rounding), then scaled by a power of two (exact:
+// the result is >= 2^-80, a normal fp32).
 inline float to_float(Fixed s) {
-  if (s == 0) return 0.0f;
   const bool neg = s < 0;
   const UFixed u = neg ? -static_cast<UFixed>(s) : static_cast<UFixed>(s);
   const uint64_t hi = static_cast<uint64_t>(u >> 64), lo = static_cast<uint64_t>(u);
-  const int msb = hi ? 127 - __builtin_clzll(hi) : 63 - __builtin_clzll(lo);
-  uint64_t mant;
-  int exp2;  // the result is mant * 2^exp2 * 2^-kFracBits
-  if (msb < 24) {
-    mant = lo;
-    exp2 = 0;
-  } else {
-    const int sh = msb - 24;  // keep 25 bits: 24 of mantissa and the rounding bit
-    const uint64_t top = static_cast<uint64_t>(u >> sh);
-    const bool sticky = (u & ((UFixed{1} << sh) - 1)) != 0;
-    mant = top >> 1;
-    if ((top & 1) && (sticky || (mant & 1))) ++mant;  // may carry to 2^24: still exact in fp32
-    exp2 = sh + 1;
-  }
-  // 2^(exp2 - kFracBits) lies in [2^-80, 2^24]: a normal fp32, so the product is exact.
-  const float r = static_cast<float>(mant) * float_of(static_cast<uint32_t>(127 + exp2 - Accumulator::kFracBits) << 23);
+  const int msb = hi ? 127 - __builtin_clzll(hi) : (lo ? 63 - __builtin_clzll(lo) : 0);
+  const int k = msb > 61 ? msb - 61 : 0;
+  const uint64_t t = static_cast<uint64_t>(u >> k) | ((u & ((UFixed{1} << k) - 1)) != 0 ? 1 : 0);
+  const float r = static_cast<float>(static_cast<int64_t>(t)) *
+                  float_of(static_cast<uint32_t>(127 + k - Accumulator::kFracBits) << 23);
   return neg ? -r : r;
 }
 
-inline double to_double(Fixed s) { return std::ldexp(static_cast<double>(s), -Accumulator::kFracBits); }
+inline Fixed value_of(int64_t lo, int64_t hi) { return (static_cast<Fixed>(hi) << kLoBits) + lo; }
+
+inline double double_of(int64_t b) {
+  double x;
+  std::memcpy(&x, &b, 8);
+  return x;
+}
+
+// to_float of hi * 2^52 + lo for lo in [0, 2^52) and |hi| < 2^53 (sums below 2^25: the common
+// case) in double arithmetic: s + e is the value exactly (Fast2Sum: |a| >= |b| or a = 0); s
+// rounded to odd when e != 0, then to fp32, is the correctly rounded value (53 >= 24 + 2 bits).
+inline float to_float_small(int64_t lo, int64_t hi) {
+  const double a = static_cast<double>(hi) * 0x1p-28, b = static_cast<double>(lo) * 0x1p-80;
+  const double s = a + b, e = b - (s - a);
+  int64_t bs = bits_of(s);
+  if (e != 0 && !(bs & 1)) bs += (e > 0) == (s > 0) ? 1 : -1;  // the odd neighbour toward the value
+  return static_cast<float>(double_of(bs));
+}
 
 }  // namespace
 
 Accumulator::Accumulator(int64_t n, bool exact, const std::string& what) : n_(n), exact_(exact) {
-  const size_t elem = exact ? sizeof(Fixed) : sizeof(float);
+  const size_t elem = exact ? 16 : sizeof(float);
   bytes_ = static_cast<int64_t>((static_cast<size_t>(std::max<int64_t>(n, 1)) * elem + 63) / 64 * 64);
   buf_.reset(static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(bytes_))));
   if (!buf_)
@@ -97,8 +105,8 @@ void Accumulator::add(const float* x, int64_t offset, int64_t count) {
     for (int64_t i = 0; i < count; ++i) acc[i] += x[i];
     return;
   }
-  // Pass 1: the largest in-range |x| (by its bits, which order like the magnitudes) and whether
-  // any value is outside the range.
+  // The largest in-range |x| (by its bits, which order like the magnitudes) and whether any value
+  // is outside the range.
   uint32_t top = 0, out = 0;
   const auto* xb = reinterpret_cast<const uint32_t*>(x);
   for (int64_t i = 0; i < count; ++i) {
@@ -109,19 +117,31 @@ void Accumulator::add(const float* x, int64_t offset, int64_t count) {
   }
   // Every in-range value of the push is < 2^(exponent of top + 1).
   const double step = top ? std::ldexp(2.0, static_cast<int>(top >> 23) - 127) : 0.0;
-  if (bound_ + step >= std::ldexp(1.0, kMaxExp)) {
+  if (bound_ + step >= std::ldexp(1.0, kBoundExp)) {
     add_spill(x, offset, count, /*all=*/true);
     return;
   }
   bound_ += step;
-  Fixed* acc = reinterpret_cast<Fixed*>(buf_.get()) + offset;
+  if (++pushes_ > kCarryEvery) carry();
+  int64_t* lo = reinterpret_cast<int64_t*>(buf_.get());
+  int64_t* hi = lo + n_;
   if (!out) {
-    for (int64_t i = 0; i < count; ++i) acc[i] += to_fixed(xb[i]);
+    add_fixed(x, count, lo + offset, hi + offset);
     return;
   }
-  for (int64_t i = 0; i < count; ++i)
-    if ((xb[i] & kAbs) < kLimitBits) acc[i] += to_fixed(xb[i]);
+  for (int64_t i = 0; i < count; ++i)  // rare: only pushes holding inf, NaN or huge values
+    if ((xb[i] & kAbs) < kLimitBits) add_fixed(x + i, 1, lo + offset + i, hi + offset + i);
   add_spill(x, offset, count, /*all=*/false);
+}
+
+void Accumulator::carry() {
+  int64_t* lo = reinterpret_cast<int64_t*>(buf_.get());
+  int64_t* hi = lo + n_;
+  for (int64_t i = 0; i < n_; ++i) {
+    hi[i] += lo[i] >> kLoBits;  // floor: the value hi * 2^52 + lo is unchanged
+    lo[i] &= kLoMask;
+  }
+  pushes_ = 1;
 }
 
 void Accumulator::add_spill(const float* x, int64_t offset, int64_t count, bool all) {
@@ -130,18 +150,26 @@ void Accumulator::add_spill(const float* x, int64_t offset, int64_t count, bool 
     std::fill(spill_.get(), spill_.get() + n_, 0.0);
   }
   double* sp = spill_.get() + offset;
+  const auto* xb = reinterpret_cast<const uint32_t*>(x);
   for (int64_t i = 0; i < count; ++i)
-    if (all || (bits_of(x[i]) & kAbs) >= kLimitBits) sp[i] += static_cast<double>(x[i]);
+    if (all || (xb[i] & kAbs) >= kLimitBits) sp[i] += static_cast<double>(x[i]);
 }
 
 float* Accumulator::finish() {
   char* base = buf_.get();
   if (exact_ && !finished_) {
-    // Element i's float lands at byte 4i, inside fixed-point elements <= i, all read already.
+    const int64_t* lo = reinterpret_cast<const int64_t*>(base);
+    const int64_t* hi = lo + n_;
+    // Element i's float lands at byte 4i, inside the lo limbs of elements <= i, read already.
     for (int64_t i = 0; i < n_; ++i) {
-      Fixed s;
-      std::memcpy(&s, base + 16 * i, sizeof(s));
-      const float r = spill_ && spill_[i] != 0.0 ? static_cast<float>(to_double(s) + spill_[i]) : to_float(s);
+      const int64_t l = lo[i] & kLoMask, h = hi[i] + (lo[i] >> kLoBits);  // carried: l in [0, 2^52)
+      float r;
+      if (spill_ && spill_[i] != 0.0)
+        r = static_cast<float>(std::ldexp(static_cast<double>(value_of(l, h)), -kFracBits) + spill_[i]);
+      else if (h > -(int64_t{1} << 53) && h < (int64_t{1} << 53))
+        r = to_float_small(l, h);
+      else
+        r = to_float(value_of(l, h));
       std::memcpy(base + 4 * i, &r, 4);
     }
   }
@@ -153,6 +181,7 @@ void Accumulator::clear() {
   std::memset(buf_.get(), 0, static_cast<size_t>(bytes_));
   spill_.reset();
   bound_ = 0;
+  pushes_ = 0;
   finished_ = false;
 }
 

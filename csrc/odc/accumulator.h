@@ -13,22 +13,26 @@
 // An exact sum depends only on the multiset of pushed values: any arrival order and any split of
 // the microbatches across ranks give the same bits.
 //
-// The exact format: per element a two's-complement __int128 fixed-point number with kFracBits = 80
-// fraction bits. A pushed fp32 value x is converted exactly when |x| >= 2^-57 (its lowest mantissa
-// bit is then >= 2^-80) and rounded to the nearest multiple of 2^-80 (ties to even) below that, so
-// each value's conversion depends on the value alone; integer addition is associative, and the
-// finished sum is rounded once to fp32 (round to nearest even). The result is the correctly
-// rounded sum of the converted values: within half an fp32 ulp of the exact sum plus at most
-// pushes x 2^-81 from the sub-2^-57 roundings, at least as accurate as fp32 summation for every
-// element whose gradients' magnitudes sum to >= ~2^-60.
+// The exact format: per element a fixed-point integer X in units of 2^-kFracBits (kFracBits = 80),
+// held as two int64 limbs, X = hi * 2^52 + lo. A pushed fp32 value x becomes x * 2^80 exactly when
+// |x| >= 2^-57 (its lowest mantissa bit is then >= 2^-80) and rounded to the nearest integer (ties
+// to even) below that, so each value's conversion depends on the value alone; X / 2^52 rounded to
+// an integer is added to hi and the rest (|rest| <= 2^51) to lo. Integer addition is associative, so the limbs'
+// value does not depend on the order; the finished sum is rounded once to fp32 (nearest, ties to
+// even). The result is the correctly rounded sum of the converted values: within half an fp32 ulp
+// of the exact sum, plus at most pushes x 2^-81 from the sub-2^-57 roundings -- at least as
+// accurate as fp32 summation for every element whose gradients' magnitudes sum to >= ~2^-60.
+// The conversion is plain double arithmetic (no branches, no 128-bit shifts), which compilers
+// vectorise: the reason for two limbs rather than one __int128.
 //
-// Range: a push is added to the fixed-point sums when every value in it is finite with |x| < 2^46
-// and the unit's minibatch so far, counting each push by twice its largest |x|, stays below 2^46;
-// the sums then cannot leave the int128 range (2^46 x 2^80 < 2^127). Values outside it (inf, NaN,
-// |x| >= 2^46) go to a double spill array allocated for the unit on first need and added at the end;
-// a push that would break the bound goes there whole. The spill keeps sums correct (IEEE inf / NaN,
-// double precision) and reproducible except when one minibatch of a unit pushes magnitudes past
-// ~2^45 -- a diverged run.
+// Range: lo takes <= 2^51 per push, so after kCarryEvery (2^11) pushes of a unit its lo limbs are
+// carried into hi (exactly: the value is unchanged). A push is added to the limbs when every value
+// in it is finite with |x| < 2^kMaxExp (2^23) and the unit's minibatch so far, counting each push
+// by twice its largest |x|, stays below 2^34, so hi cannot overflow (2^34 x 2^80 / 2^52 < 2^63).
+// Values outside it (inf, NaN, |x| >= 2^23) go to a double spill array allocated for the unit on
+// first need and added at the end; a push that would break the bound goes there whole. The spill
+// keeps sums correct (IEEE inf / NaN, double precision) and reproducible except when one minibatch
+// of a unit pushes magnitudes past ~2^33 -- a diverged run.
 //
 // Memory: the exact accumulator holds 16 bytes per element of the owner's shard (the fp32 one 4);
 // the finished fp32 sum is written into the first quarter of the same buffer, so the gradient a
@@ -48,7 +52,9 @@ namespace jaxodc::odc {
 class Accumulator {
  public:
   static constexpr int kFracBits = 80;
-  static constexpr int kMaxExp = 46;  // values and the unit's push bound stay below 2^kMaxExp
+  static constexpr int kMaxExp = 23;    // values at or above 2^kMaxExp go to the spill
+  static constexpr int kBoundExp = 34;  // the unit's push bound stays below 2^kBoundExp
+  static constexpr int kCarryEvery = 1 << 11;  // pushes between carrying lo into hi
 
   // n: elements of the owner's shard; `exact`: the exact format above, else fp32. Throws Error
   // naming `what` when the memory cannot be had.
@@ -76,8 +82,13 @@ class Accumulator {
   const bool exact_;
   int64_t bytes_ = 0;
   bool finished_ = false;
-  double bound_ = 0;  // sum over this minibatch's fixed-point pushes of 2 x their largest |x|
-  std::unique_ptr<char, FreeDeleter> buf_;  // 64-byte aligned: Python wraps the fp32 sum without a copy
+  void carry();
+
+  double bound_ = 0;    // sum over this minibatch's fixed-point pushes of 2 x their largest |x|
+  int64_t pushes_ = 0;  // fixed-point pushes since the last carry
+  // Exact: the lo limbs, then the hi limbs; fp32: the sums. 64-byte aligned: Python wraps the
+  // fp32 sum without a copy.
+  std::unique_ptr<char, FreeDeleter> buf_;
   std::unique_ptr<double[]> spill_;         // exact only: values outside the fixed-point range
 };
 
