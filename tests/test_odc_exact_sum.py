@@ -191,9 +191,11 @@ def test_large_sums_and_many_pushes():
     """Sums past 2^25 (the wide conversion at the end) and more pushes than the lo limbs hold
     between carries (2^11) are still the correctly rounded sum, in any order."""
     rng = np.random.default_rng(9)
-    big = [{0: (rng.uniform(2.0 ** 21, 2.0 ** 23, 16) * rng.choice([-1, 1], 16) + rng.uniform(0, 1, 16)).astype(np.float32)}
+    signs = np.r_[np.ones(8), -np.ones(4), rng.choice([-1, 1], 4)]  # the first 12 sum past 2^25 in magnitude
+    big = [{0: (rng.uniform(2.0 ** 22, 2.0 ** 23, 16) * signs + rng.uniform(0, 1, 16)).astype(np.float32)}
            for _ in range(12)]
     many = [{0: (rng.standard_normal(4) * 10.0 ** rng.uniform(-6, 2, 4)).astype(np.float32)} for _ in range(2100)]
+    assert np.all(np.abs(np.sum([p[0][:12] for p in big], axis=0, dtype=np.float64)) > 2.0 ** 25)
     for data in (big, many):
         ref = reference([p[0] for p in data])
         for order in (range(len(data)), range(len(data) - 1, -1, -1)):
