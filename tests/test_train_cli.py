@@ -72,6 +72,8 @@ def test_train_checkpoint_and_resume(tmp_path):
         assert sum(r["samples"] for r in recs) == 2 * 2 * 2
         losses = {r["step"]: r["loss"] for r in recs}
         assert all(r["loss"] == losses[r["step"]] for r in recs)  # the global loss on every rank
+        assert len({r["params_sha256"] for r in recs}) == 1 and len(recs[0]["params_sha256"]) == 64
+    two_steps = runs["odc + lb_mini"][0]["params_sha256"]
     for sub in ("collective-lb_micro", "odc-lb_mini"):
         assert json.load(open(ck / sub / "manifest.json"))["step"] == 2
     assert "final loss" in out and "samples/s" in out and "ODC + LB-Mini vs collective + LB-Micro:" in out
@@ -84,6 +86,7 @@ def test_train_checkpoint_and_resume(tmp_path):
     assert "odc + lb_mini  minibatch 2: loss" in out and "minibatch 1: loss" not in out, out
     runs = json.load(open(js))
     assert list(runs) == ["odc + lb_mini"] and sorted(r["step"] for r in runs["odc + lb_mini"]) == [2, 2]
+    assert runs["odc + lb_mini"][0]["params_sha256"] != two_steps  # one more minibatch trained
     assert png.stat().st_size > 1000 and f"timeline: {png}" in out
     assert json.load(open(ck / "odc-lb_mini" / "manifest.json"))["step"] == 3
 

@@ -105,6 +105,10 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
       .def("unlink_segment", &Runtime::unlink_segment)
       .def("set_link", &Runtime::set_link, nb::arg("bytes_per_s"), nb::arg("latency_s"),
            "Emulated link of the tcp transport (before connect): bytes/s cap (<= 0: none), added latency.")
+      .def("set_exact_sum", &Runtime::set_exact_sum, nb::arg("exact"),
+           "How this owner sums pushes (before connect): exactly, whatever their arrival order (True, the "
+           "default), or in fp32 in arrival order (False).")
+      .def_prop_ro("exact_sum", &Runtime::exact_sum)
       .def("add_range", &Runtime::add_range, nb::arg("unit"), nb::arg("offset"), nb::arg("size"),
            nb::arg("fraction"), nb::arg("ratio"), nb::arg("seed"), nb::arg("compress"),
            "TAGC: pushes of this range to other ranks travel compressed (or, compress=False, are only counted).")

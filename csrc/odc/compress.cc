@@ -112,12 +112,12 @@ void Compressor::count_decoded(int unit, int64_t peeled, int64_t estimated) {
   traffic_[unit].estimated += estimated;
 }
 
-void decode_add(const char* payload, int64_t count, int64_t width, uint64_t seed, float* acc, int64_t* peeled,
-                int64_t* estimated) {
+void decode(const char* payload, int64_t count, int64_t width, uint64_t seed, float* out, int64_t* peeled,
+            int64_t* estimated) {
   const auto* bitmap = reinterpret_cast<const uint32_t*>(payload);
   const auto* sk = reinterpret_cast<const float*>(payload + sketch::bitmap_words(count) * 4);
   int64_t counts[2];
-  sketch::peel(sk, bitmap, count, width, seed, acc, counts, /*add=*/true);
+  sketch::peel(sk, bitmap, count, width, seed, out, counts);
   *peeled = counts[0];
   *estimated = counts[1];
 }

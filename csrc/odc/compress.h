@@ -7,10 +7,10 @@
 //   residual = acc - what the owner will decode (the sender peels its own payload: the decoder is
 //   deterministic, so error feedback covers the sketch's estimates too, not only the dropped values).
 //
-// The owner's daemon peels each push as it drains the slot and adds the result into its fp32
-// accumulator (decode per push: sums of several pushes' sketches would hold the union of their
-// supports, which outgrows the sketch after a few microbatches; bench/sketch.py --owner measures
-// it). A chunk's payload fits one receive slot, so slots and server memory stay as they are.
+// The owner's daemon peels each push as it drains the slot and adds the result into its
+// accumulator, like a dense push (accumulator.h) (decode per push: sums of several pushes'
+// sketches would hold the union of their supports, which outgrows the sketch after a few
+// microbatches; bench/sketch.py --owner measures it). A chunk's payload fits one receive slot, so slots and server memory stay as they are.
 // Ranges registered with compress = false are only counted (wire bytes of what a setting would
 // compress, in dense runs).
 #pragma once
@@ -108,8 +108,9 @@ class Compressor {
   std::map<int, UnitTraffic> traffic_;
 };
 
-// Owner side: adds the decoded values of a chunk's payload into acc[0, count).
-void decode_add(const char* payload, int64_t count, int64_t width, uint64_t seed, float* acc, int64_t* peeled,
-                int64_t* estimated);
+// Owner side: the decoded values of a chunk's payload into out[0, count) (0 off its support);
+// they depend on the payload alone.
+void decode(const char* payload, int64_t count, int64_t width, uint64_t seed, float* out, int64_t* peeled,
+            int64_t* estimated);
 
 }  // namespace jaxodc::odc

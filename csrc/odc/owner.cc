@@ -1,5 +1,5 @@
-// The owner side of the runtime: the daemon that drains full receive slots into the fp32
-// accumulators, the end of a minibatch (wait_complete), reading the summed gradient, and
+// The owner side of the runtime: the daemon that drains full receive slots into the gradient
+// accumulators (accumulator.h), the end of a minibatch (wait_complete), reading the summed gradient, and
 // publishing new master shards.
 #include <cstring>
 
@@ -22,8 +22,16 @@ bool Runtime::accept_push(int unit, int64_t version, int client) {
 void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset) {
   if (!accept_push(unit, version, client)) return;
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  float* acc = accum_[unit].get() + offset;
-  for (int64_t i = 0; i < count; ++i) acc[i] += data[i];
+  add_locked(unit, client, data, count, offset);
+}
+
+void Runtime::add_locked(int unit, int client, const float* data, int64_t count, int64_t offset) {
+  Accumulator& acc = *accum_[unit];
+  if (acc.lent())
+    core_->record_push_error("rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " to " +
+                             core_->who() + " while its summed gradient is lent out (before clear_grad)");
+  else
+    acc.add(data, offset, count);
 }
 
 bool Runtime::drain_slots() {
@@ -64,10 +72,14 @@ bool Runtime::drain_slots() {
       } else if (sketch) {
         if (accept_push(unit, slot->version, c)) {
           int64_t peeled, estimated;
+          // Decoded on its own, then added like a dense push: the decode depends on the payload
+          // alone, so the exact sum stays independent of the arrival order.
+          decoded_.resize(static_cast<size_t>(count));
+          decode(reinterpret_cast<const char*>(seg->slot_data(c)), count, slot->sketch_width, slot->sketch_seed,
+                 decoded_.data(), &peeled, &estimated);
           {
             std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-            decode_add(reinterpret_cast<const char*>(seg->slot_data(c)), count, slot->sketch_width, slot->sketch_seed,
-                       accum_[unit].get() + offset, &peeled, &estimated);
+            add_locked(unit, c, decoded_.data(), count, offset);
           }
           compressor_->count_decoded(unit, peeled, estimated);
         }
@@ -150,16 +162,17 @@ float* Runtime::grad_in_place(int unit) {
                 ": no completed minibatch to fetch (call wait_complete(version) first; last completed " +
                 std::to_string(completed) + ")");
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  if (core_->dev) core_->dev->fetch_add(unit, accum_[unit].get());
+  float* grad = accum_[unit]->finish();
+  if (core_->dev) core_->dev->fetch_add(unit, grad);  // in fp32 (accumulator.h: not covered)
   last_fetched_[unit] = completed;
   grad_lent_[unit] = 1;
-  return accum_[unit].get();
+  return grad;
 }
 
 void Runtime::clear_grad(int unit) {
   check_unit(unit, "clear_grad");
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  std::memset(accum_[unit].get(), 0, static_cast<size_t>(core_->layout.shards[unit]) * 4);
+  accum_[unit]->clear();
   grad_lent_[unit] = 0;
 }
 

@@ -43,13 +43,7 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
   core.client_failure.assign(world, "");
 
   for (int u = 0; u < layout.num_units(); ++u) {
-    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(layout.shards[u], 1)) * 4 + 63) / 64 * 64;
-    float* acc = static_cast<float*>(std::aligned_alloc(64, bytes));
-    if (acc == nullptr)
-      throw Error(core.who() + ": cannot allocate the accumulator of unit " + std::to_string(u) + " (" +
-                  std::to_string(bytes) + " bytes)");
-    std::memset(acc, 0, bytes);
-    accum_.emplace_back(acc);
+    accum_.push_back(std::make_unique<Accumulator>(layout.shards[u], true, core.who() + " unit " + std::to_string(u)));
     accum_mu_.push_back(std::make_unique<std::mutex>());
   }
   last_fetched_.assign(layout.num_units(), -1);
@@ -100,7 +94,7 @@ Stats Runtime::stats() const {
   Stats s;
   s.slot_bytes = layout.slot_elems * 4 * layout.world;
   for (int64_t sh : layout.shards) s.master_bytes += sh * 4;
-  s.accum_bytes = s.master_bytes;
+  for (const auto& a : accum_) s.accum_bytes += a->bytes();
   s.segment_bytes = static_cast<int64_t>(segment_->bytes);
   s.pushes_received = pushes_received_.load();
   s.bytes_received = bytes_received_.load();
@@ -142,6 +136,17 @@ void Runtime::set_link(double bytes_per_s, double latency_s) {
   core_->link_rate = bytes_per_s > 0 ? bytes_per_s : 0;
   core_->link_latency = latency_s > 0 ? latency_s : 0;
 }
+
+void Runtime::set_exact_sum(bool exact) {
+  check_open("set_exact_sum");
+  if (connected_) throw Error(core_->who() + ": set_exact_sum must be called before connect");
+  if (exact == exact_sum()) return;
+  const Layout& layout = core_->layout;
+  for (int u = 0; u < layout.num_units(); ++u)
+    accum_[u] = std::make_unique<Accumulator>(layout.shards[u], exact, core_->who() + " unit " + std::to_string(u));
+}
+
+bool Runtime::exact_sum() const { return accum_.empty() || accum_[0]->exact(); }
 
 void Runtime::add_range(int unit, int64_t offset, int64_t size, double fraction, double ratio, uint64_t seed,
                         bool compress) {

@@ -40,6 +40,7 @@
 
 #include "common/dtype.h"
 #include "common/sync.h"
+#include "odc/accumulator.h"
 #include "odc/compress.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; declared here so this header needs no CUDA
@@ -128,6 +129,11 @@ class Runtime {
   UnitTraffic traffic(int unit);
   // The error-feedback residual of the compressed range starting at `offset` (a copy; tests).
   std::vector<float> residual(int unit, int64_t offset) const;
+  // How the owner sums the pushes (accumulator.h): exactly, independent of their arrival order
+  // (the default; 16 bytes per shard element), or in fp32 in arrival order (4 bytes). Before
+  // connect.
+  void set_exact_sum(bool exact);
+  bool exact_sum() const;
 
   // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
   // handshake).
@@ -206,6 +212,8 @@ class Runtime {
   bool drain_slots();
   bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
+  // Adds an accepted push; the caller holds the unit's lock.
+  void add_locked(int unit, int client, const float* data, int64_t count, int64_t offset);
   // Pushes elements [a, a + n) of the unit (`src`) to owner p, whose piece starts at owner_lo:
   // registered ranges compressed, the rest dense.
   void push_piece(Peer* p, int unit, int64_t version, int64_t owner_lo, int64_t a, const char* src, ElemType type,
@@ -220,11 +228,10 @@ class Runtime {
   std::unique_ptr<TcpServer> server_;         // null in a world of one
   std::unique_ptr<Compressor> compressor_;
 
-  struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
-  };
-  // 64-byte aligned, so Python can wrap them without a copy (jax aliases aligned host memory).
-  std::vector<std::unique_ptr<float[], FreeDeleter>> accum_;
+  // Per unit; their fp32 sums are 64-byte aligned, so Python can wrap them without a copy (jax
+  // aliases aligned host memory).
+  std::vector<std::unique_ptr<Accumulator>> accum_;
+  std::vector<float> decoded_;   // the daemon's decoded compressed chunk
   std::vector<char> grad_lent_;  // per unit: grad_in_place handed out, clear_grad not yet called
   std::vector<std::unique_ptr<std::mutex>> accum_mu_;
   std::atomic<int64_t> accumulating_version_{0};

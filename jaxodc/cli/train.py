@@ -29,6 +29,7 @@ seeded shuffled stream, so --resume continues with the minibatch after the check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -122,7 +123,8 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
                                          "(config.json, safetensors shards, index; one sub-directory per run "
                                          "when comparing)")
     a("--timeline", metavar="PNG", help="per-rank Gantt chart of compute vs idle")
-    a("--json", metavar="PATH", help="write every rank's per-minibatch records here")
+    a("--json", metavar="PATH", help="write every rank's per-minibatch records here (each carries params_sha256, "
+                                     "a hash of the run's final full parameters: equal hashes, equal bits)")
     a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
     a("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -467,7 +469,24 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
         if export:
             say(f"{comm:>10} + {balance:<8} Hugging Face export: {trainer.export_hf(export)} "
                 f"(minibatch {trainer.step})")
-        return trainer.gather_records(timed)
+        digest = params_sha256(trainer.full_params())  # collective: every rank assembles them
+        return [dataclasses.replace(r, params_sha256=digest) for r in trainer.gather_records(timed)]
+
+
+def params_sha256(params) -> str:
+    """sha256 of full parameters, the same for every comm / balance / transport: each leaf's path,
+    dtype, shape and bytes, in path order (two runs that agree in it hold bit-identical parameters)."""
+    import hashlib
+
+    import jax
+    import numpy as np
+    h = hashlib.sha256()
+    leaves = sorted(((jax.tree_util.keystr(p), np.ascontiguousarray(x))
+                     for p, x in jax.tree_util.tree_leaves_with_path(params)), key=lambda t: t[0])
+    for path, x in leaves:
+        h.update(f"{path}|{x.dtype.str}|{x.shape}|".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- report

@@ -192,6 +192,19 @@ def resolve_device(device: int | str | None, rank: int) -> int | None:
     return int(dev.id if ordinal is None else ordinal)
 
 
+ACCUMULATE = ("exact", "fp32")
+
+
+def accumulate_mode(accumulate: str | None) -> str:
+    """Runtime's `accumulate`, checked: None means $JAXODC_ODC_ACCUMULATE, else "exact"."""
+    where = "accumulate"
+    if accumulate is None:
+        accumulate, where = os.environ.get("JAXODC_ODC_ACCUMULATE") or "exact", "JAXODC_ODC_ACCUMULATE"
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"{where}={accumulate!r}: use one of {', '.join(ACCUMULATE)}")
+    return accumulate
+
+
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
@@ -219,12 +232,16 @@ class Runtime:
       link: an emulated slower network for the tcp transport (`Link`), None for none.
       secret: the job secret every tcp peer proves (jaxodc.auth; listener "odc_tcp", bound to
         job_id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
+      accumulate: how this rank sums the pushes it owns: "exact" (order-independent fixed point:
+        same pushes, same bits, whatever order they arrive in; 16 bytes per shard element) or
+        "fp32" (arrival order, 4 bytes per element); default $JAXODC_ODC_ACCUMULATE or "exact"
+        (csrc/odc/accumulator.h, docs/reproducibility.md).
     """
 
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
                  listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0,
-                 link: Link | None = None, secret: bytes | None = None):
+                 link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
@@ -233,6 +250,8 @@ class Runtime:
         self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host,
                                      int(slot_elems), secret)
         try:
+            self.accumulate = accumulate_mode(accumulate)
+            self._native.set_exact_sum(self.accumulate == "exact")
             if link is not None:  # before the peer exchange: peers connect once they know our address
                 self._native.set_link(link.mbps * 1e6 / 8, link.ms / 1e3)
             self.link = link

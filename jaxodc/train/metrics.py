@@ -43,6 +43,7 @@ class MinibatchRecord:
     peeled: int | None = None
     estimated: int | None = None
     straggle_s: list | None = None  # injected seconds per microbatch (StepResult's; None: no injection)
+    params_sha256: str | None = None  # `jaxodc train --json`: hash of the run's final full parameters
 
     @property
     def busy(self) -> float:
