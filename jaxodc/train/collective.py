@@ -566,7 +566,7 @@ class CollectiveTrainer(ShardedTrainer):
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
                                lockstep=True)
-        res = self.train_minibatch(mbs, plan_global_tokens(plan), sample_ids=plan.ranks[self.rank])
+        res = self.train_minibatch(mbs, plan_global_tokens(plan, samples), sample_ids=plan.ranks[self.rank])
         res.ran = list(plan.ranks[self.rank])
         return res
 
