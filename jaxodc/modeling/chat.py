@@ -17,6 +17,11 @@ from typing import Sequence
 
 ROLES = ("system", "user", "assistant", "tool")
 
+# The ChatML conversation format (Qwen's, without its tool handling): for generated examples on
+# tokenizers that have no template of their own (bytes).
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
 
 def _environment():
     try:

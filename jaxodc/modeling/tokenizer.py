@@ -88,14 +88,17 @@ class Tokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255 (jaxodc.data.VOCAB); no special tokens, no chat template."""
+    """UTF-8 bytes as token ids 0..255 (jaxodc.data.VOCAB); no special tokens; a chat template
+    only when given one (e.g. chat.CHATML, for generated examples)."""
 
     vocab_size = 256
     eos_id = None
     bos_id = None
-    chat_template = None
     path = "bytes"
     special_tokens = dict.fromkeys(SPECIAL_NAMES)
+
+    def __init__(self, chat_template: str | None = None):
+        self.chat_template = chat_template
 
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         from jaxodc.data import encode

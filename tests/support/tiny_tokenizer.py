@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+from jaxodc.modeling.chat import CHATML  # noqa: F401 (the tests' plain template)
 
 # The same conversation format with the assistant's text in {% generation %} blocks (what
 # transformers' return_assistant_tokens_mask needs); system messages checked with raise_exception.
