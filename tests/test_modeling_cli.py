@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from support.tiny_tokenizer import CHATML, write_jsonl, write_tokenizer
+from support.tiny_tokenizer import CHATML, write_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--minibatch", "2", "--max-tokens", "64", "--d-model", "16", "--layers", "1", "--heads", "2"]

@@ -1,6 +1,5 @@
 """Tokenizers, chat templates and loss masks (jaxodc.modeling) against transformers' own rendering
 and tokenisation of the same files; masks through packing and the global token count; bad data."""
-import json
 
 import numpy as np
 import pytest
