@@ -39,6 +39,8 @@ def test_bad_task_input_exits_2(tmp_path, capsys):
     assert code == 2 and "needs bf16,keep_inputs" in err, err
     code, err = _main(["--data", str(data), "--task", "grpo", "--clip-eps", "0"] + SMALL, capsys)
     assert code == 2 and "GRPO needs 0 < clip_eps < 1" in err, err
+    code, err = _main(["--data", str(data), "--task", "grpo", "--groups", "2"] + SMALL, capsys)
+    assert code == 2 and "--task grpo trains on one site" in err, err
     code, err = _main(["--data", str(data), "--tokenizer", str(tmp_path / "nowhere")] + SMALL, capsys)
     assert code == 2 and "nowhere: no tokenizer.json there" in err, err
 

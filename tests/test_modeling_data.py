@@ -104,6 +104,12 @@ def test_byte_tokenizer_chat_needs_template_and_text_works(tmp_path):
     path = write_jsonl(str(tmp_path / "b.jsonl"), [{"messages": CONVERSATIONS[0]}])
     with pytest.raises(ValueError, match=r"b\.jsonl:1: chat messages need a chat template"):
         load_sft(path, ByteTokenizer())
+    (s,), _ = load_sft(path, ByteTokenizer(chat_template=CHATML))  # bytes with a template of its own
+    text = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\nthe quick brown fox<|im_end|>\n"
+    assert bytes(s.tokens.astype(np.uint8)) == text.encode()
+    trained = np.zeros(len(text))
+    trained[text.index("the quick"):] = 1  # the turn's text, end-of-turn marker and newline; not its header
+    np.testing.assert_array_equal(s.loss_mask, _targets_trained(trained))
 
 
 def test_truncation_policies_are_reported(tmp_path):

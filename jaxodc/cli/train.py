@@ -314,6 +314,9 @@ def check_task_args(args) -> None:
         raise ValueError("--task / --tokenizer train on --data FILE.jsonl")
     if args.model in IMAGE_MODELS:
         raise ValueError(f"--model {args.model} trains on images: --task / --tokenizer do not apply")
+    from jaxodc.cli import sites
+    if args.task == "grpo" and sites.enabled(args):
+        raise ValueError("--task grpo trains on one site (the --groups / --coord trainers take no GRPO objective)")
     if args.task == "grpo":
         grpo_of(args)
         from jaxodc.train.precision import precision_of
