@@ -6,6 +6,8 @@
     python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
     python -m jaxodc bench train --minibatch 4,8 --block-samples 32 --straggle default \
         --json bench/out/train_straggle.json
+    python -m jaxodc bench train --task sft --json bench/out/train_sft.json     # chat SFT, masked loss
+    python -m jaxodc bench train --task grpo --json bench/out/train_grpo.json   # GRPO on rollouts
 
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
 link) bench/train_compress.py. With --straggle, every combo runs again under each injection
@@ -85,6 +87,9 @@ def _args(argv):
     p.add_argument("--compress-steps", type=int, default=30, help="--compress: minibatches per run")
     p.add_argument("--compress-minibatch", type=int, default=4, help="--compress: samples per rank per minibatch")
     p.add_argument("--loss-png", help="--compress: loss-vs-samples plot of the four runs")
+    p.add_argument("--task", choices=("sft", "grpo"), default=None,
+                   help="train on a generated chat JSONL (sft: loss on the assistant turns) or rollout JSONL "
+                        "(grpo: the clipped objective) with long-tailed lengths instead of plain text (task_workload)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -116,14 +121,14 @@ def _optimizer(lr):
 
 # --------------------------------------------------------------------------- warm-up and calibration
 
-def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
+def time_collective(trainer, rows, repeats: int, fields=()) -> dict[int, float]:
     """Median seconds of the collective microbatch step per row length, all ranks in lock-step on
     the same all-padding shape (dense compute does not depend on content), gradients discarded.
     Every rank must call it with the same arguments."""
     from jaxodc.balance.packing import pack
     out = {}
     for T in rows:
-        batch = pack([], int(T)).as_dict()
+        batch = pack([], int(T), fields=fields).as_dict()  # fields: the task's per-token arrays
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -133,7 +138,7 @@ def time_collective(trainer, rows, repeats: int) -> dict[int, float]:
     return out
 
 
-def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[int, float], dict[int, float]]:
+def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None, fields=()) -> tuple[dict[int, float], dict[int, float]]:
     """Compile the ODC microbatch step for every row length and the optimizer step, and time the
     microbatch step (median seconds per row length) on an all-padding row and on a row holding one
     sample of the row's length, inside one discarded minibatch: the pushed gradients are fetched
@@ -143,13 +148,17 @@ def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[
     ranks) runs between compiling and timing, so no rank times while a peer compiles."""
     import jax
     import jax.numpy as jnp
-    from jaxodc.balance.packing import pack
+    from jaxodc.balance.packing import Sample, pack
     v, rt = trainer.version, trainer.rt
     ntok, ver = jnp.float32(1.0), jnp.int32(v)
     pad, full = {}, {}
     for T in rows:
-        for table, content in ((pad, []), (full, [np.arange(int(T), dtype=np.int32) % 251 + 1])):
-            batch = {k: jnp.asarray(x) for k, x in pack(content, int(T)).as_dict().items()}
+        row = np.arange(int(T), dtype=np.int32) % 251 + 1
+        if fields:  # a task's sample: every target trained, its per-token fields zero
+            row = Sample(row, np.r_[np.ones(int(T) - 1), 0.0].astype(np.float32),
+                         {k: np.zeros(int(T), np.float32) for k in fields})
+        for table, content in ((pad, []), (full, [row])):
+            batch = {k: jnp.asarray(x) for k, x in pack(content, int(T), fields=fields).as_dict().items()}
             jax.block_until_ready(trainer._mb_step(trainer.shards, trainer.consts, batch, ntok, ver))  # compile
             barrier()
             ts = []
@@ -229,6 +238,9 @@ def train_worker(args) -> None:
     model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
     params = model.init(jax.random.PRNGKey(args.seed))
     samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
+    fields = ()
+    if args.task:
+        model, samples, fields = task_workload(args, model)
     lengths = samples.lengths
     buckets = bucket_policy(args.max_tokens, args.min_bucket)
     rows = row_buckets(args.max_tokens, buckets)
@@ -242,10 +254,10 @@ def train_worker(args) -> None:
     rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx)
     odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
     del params
-    coll.warmup(rows)
-    coll_j.warmup(rows)
-    t_odc, t_odc_full = warmup_odc(odc, rows, args.calib_reps, barrier=lambda: ctx.barrier("bench/warmup"))
-    t_coll0 = time_collective(coll, rows, args.calib_reps)
+    coll.warmup(rows, fields)
+    coll_j.warmup(rows, fields)
+    t_odc, t_odc_full = warmup_odc(odc, rows, args.calib_reps, barrier=lambda: ctx.barrier("bench/warmup"), fields=fields)
+    t_coll0 = time_collective(coll, rows, args.calib_reps, fields)
     calib0 = [msgpack.unpackb(b, strict_map_key=False)
               for b in ctx.allgather("bench/calib", msgpack.packb([t_coll0, t_odc, t_odc_full]))]
     tables = [[{int(k): v for k, v in t.items()} for t in c] for c in calib0]
@@ -294,7 +306,7 @@ def train_worker(args) -> None:
         if rep != rep_now:  # re-time the collective buckets: its busy estimate follows the load
             rep_now = rep
             ctx.barrier("bench/calib")
-            t_coll = {c: time_collective(trainers[c], rows, args.calib_reps) for c in ("collective", "collective@jaxodc")}
+            t_coll = {c: time_collective(trainers[c], rows, args.calib_reps, fields) for c in ("collective", "collective@jaxodc")}
             calib.append({"rep": rep, "rank": rank, **t_coll})
         for k, idx in enumerate(batches):
             sub, data_step = [samples[int(i)] for i in idx], data_step + 1
@@ -628,6 +640,33 @@ def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
     return draw(runs, path, title=f"per-rank compute (bars) and idle, repetition {rep}, minibatch {mb} per rank")
 
 
+# --------------------------------------------------------------------------- post-training workloads
+
+def task_workload(args, model):
+    """--task: (the model to train, its samples, their per-token fields). A generated chat JSONL
+    (sft; byte tokens, the ChatML template, loss on the assistant turns) or rollout JSONL (grpo;
+    groups of 4 completions per prompt with rewards and behaviour log-probs), --pool samples with
+    --preset's long-tailed lengths in words, read by jaxodc.modeling.dataset (truncated at
+    --max-tokens). Every rank writes and reads the same file."""
+    from jaxodc.modeling import synthetic_data as synthetic
+    from jaxodc.modeling.chat import CHATML
+    from jaxodc.modeling.dataset import load_rollouts, load_sft
+    from jaxodc.modeling.rl import GRPO, task_model
+    from jaxodc.modeling.tokenizer import ByteTokenizer
+    from jaxodc.balance.packing import fields_of
+    words = max(8, args.max_tokens // 6)  # ~6 bytes a word
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{args.task}.jsonl")
+        if args.task == "sft":
+            tok = ByteTokenizer(chat_template=CHATML)
+            samples, _ = load_sft(synthetic.write_chat(path, args.pool, words, args.seed, args.preset), tok, args.max_tokens)
+        else:
+            tok = ByteTokenizer()
+            synthetic.write_rollouts(path, tok, max(1, args.pool // 4), 4, words, args.seed, args.preset)
+            samples, _ = load_rollouts(path, tok, args.max_tokens)
+    return task_model(model, args.task, GRPO()), samples, fields_of(samples.tokens)
+
+
 # --------------------------------------------------------------------------- main
 
 def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
@@ -644,6 +683,7 @@ def _forward(args) -> list[str]:
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
             "memory_steps", "memory_slot_mib", "memory_collective_transport", "precision")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    out += ["--task", args.task] if args.task else []
     return out + [x for s in args.straggle for x in ("--straggle", s)]
 
 

@@ -21,7 +21,10 @@ compute thread each) and reports when they finish; started by `jaxodc launch -n 
 jaxodc.cli.train ...` (or SLURM), every process is a rank and rank 0 reports.
 
 Data: --preset (long-tailed sample lengths of byte-level stdlib text, the default), --lengths FILE
-(your lengths, same text) or --data FILE.jsonl ({"text": ...} per line). Minibatches come from a
+(your lengths, same text) or --data FILE.jsonl ({"text": ...} per line). With --task sft|grpo (or
+--tokenizer DIR) --data is read by jaxodc.modeling.dataset: prompt / completion, chat messages and
+text for sft, rollouts with rewards for grpo, tokenised with DIR's tokenizer.json and chat
+template, the loss on the completion / assistant tokens only (add_task_arguments). Minibatches come from a
 seeded shuffled stream, so --resume continues with the minibatch after the checkpoint's step;
 --steps counts all minibatches, resumed ones included. The first --warmup minibatches of each run
 (compilation) are left out of the throughput figures.
@@ -128,6 +131,7 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
     a("--progress", action="store_true", help="progress bar instead of a line per minibatch")
     a("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_task_arguments(p.add_argument_group("post-training data and objective (jaxodc.modeling)"))
     from jaxodc.cli import sites
     sites.add_arguments(p.add_argument_group("across sites (jaxodc.optim.sites)"))
     return p
@@ -183,6 +187,7 @@ def check_args(args) -> None:
         raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.kv_heads and args.model != "llama":
         raise ValueError("--kv-heads applies to --model llama")
+    check_task_args(args)
     from jaxodc.compress import parse_compression
     parse_compression(args.compress)  # a bad setting fails here, naming it
     from jaxodc.train.straggle import parse_straggle
@@ -249,6 +254,8 @@ def load_samples(args, world: int, report: bool = False):
     from jaxodc.data import Samples, load_digits, load_jsonl, load_lengths, stdlib_corpus, synthetic_text
     if args.model in IMAGE_MODELS:
         samples = load_digits()
+    elif args.data and task_data(args):
+        samples = load_task_samples(args)
     elif args.data:
         counts = {}
         samples = Samples(load_jsonl(args.data, max_len=args.max_tokens, counts=counts))
@@ -334,16 +341,18 @@ def model_of(args):
         return image_model_of(args)
     if args.model == "lm":
         from jaxodc.models.lm import LM, LMConfig
-        model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
+        model = LM(LMConfig(vocab=vocab_of(args), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
         return model, model.init(jax.random.PRNGKey(args.seed))
     from jaxodc.balance.packing import pack
     from jaxodc.models.llama import Llama, LlamaConfig
     from jaxodc.train.adapters import linen_loss_fn
-    cfg = LlamaConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+    cfg = LlamaConfig(vocab=vocab_of(args), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads or args.heads, ffn=4 * args.d_model)
     llama = Llama(cfg)
     params = jax.jit(llama.init)(jax.random.PRNGKey(args.seed), pack([], args.max_tokens).as_dict())
-    return linen_loss_fn(llama, lambda apply, batch: apply(batch).sum()), params
+    loss_fn = linen_loss_fn(llama, task_loss(args))
+    loss_fn.token_losses = llama.apply  # per-token cross entropy: GRPO's reference log-probs (with_reference)
+    return loss_fn, params
 
 
 def image_model_of(args):
@@ -378,6 +387,101 @@ def image_model_of(args):
         return jnp.sum(model(flat) * weight)
     return nnx_loss_fn(Classifier(d_in=64, width=args.d_model, n_blocks=args.layers, n_classes=10,
                                   rngs=nnx.Rngs(args.seed)), nnx_loss)
+
+
+# --------------------------------------------------------------------------- post-training data and objective
+
+def add_task_arguments(g) -> None:
+    """--task, --tokenizer, --truncation and GRPO's settings."""
+    g.add_argument("--task", default=None, choices=("sft", "grpo"),
+                   help="sft: --data is prompt/completion, chat messages or text JSONL, trained on the completion / "
+                        "assistant tokens; grpo: --data is rollouts (prompt, completion, reward or advantage, "
+                        "optional logprobs / ref_logprobs) trained with GRPO's clipped objective")
+    g.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json with "
+                                                     "its chat template); default: bytes")
+    g.add_argument("--truncation", default="right", choices=("right", "drop", "error"),
+                   help="a sample over --max-tokens: keep its first --max-tokens tokens (right), drop it, or stop")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="grpo: the ratio's clip range below 1")
+    g.add_argument("--clip-eps-high", type=float, default=None, help="grpo: the clip range above 1 (default --clip-eps)")
+    g.add_argument("--kl", type=float, default=0.0, help="grpo: weight of the KL term against the initial weights "
+                                                         "(the rollouts' ref_logprobs, else computed from them)")
+
+
+def task_data(args) -> bool:
+    """Whether --data is read by jaxodc.modeling.dataset (--task or --tokenizer given)."""
+    return args.task is not None or args.tokenizer is not None
+
+
+def check_task_args(args) -> None:
+    if args.task is None and args.tokenizer is None:
+        return
+    if not args.data:
+        raise ValueError("--task / --tokenizer train on --data FILE.jsonl")
+    if args.model in IMAGE_MODELS:
+        raise ValueError(f"--model {args.model} trains on images: --task / --tokenizer do not apply")
+    from jaxodc.cli import sites
+    if args.task == "grpo" and sites.enabled(args):
+        raise ValueError("--task grpo trains on one site (the --groups / --coord trainers take no GRPO objective)")
+    if args.task == "grpo":
+        grpo_of(args)
+        from jaxodc.train.precision import precision_of
+        p = precision_of(args.precision)
+        if p.param_dtype != "fp32" and p.cast_inputs:
+            raise ValueError("--task grpo with --precision bf16 needs bf16,keep_inputs (the advantages and "
+                             "log-probabilities stay fp32)")
+
+
+def grpo_of(args):
+    from jaxodc.modeling.rl import GRPO
+    return GRPO(clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, kl_coef=args.kl)
+
+
+def vocab_of(args) -> int:
+    """The model's vocabulary: --tokenizer's, else bytes."""
+    if args.tokenizer is None:
+        from jaxodc.data import VOCAB
+        return VOCAB
+    from jaxodc.modeling.tokenizer import load_tokenizer
+    return load_tokenizer(args.tokenizer).vocab_size
+
+
+def load_task_samples(args):
+    """--data read for --task (jaxodc.modeling.dataset); the truncation report is printed once."""
+    from jaxodc.modeling.dataset import load_rollouts, load_sft
+    from jaxodc.modeling.tokenizer import load_tokenizer
+    tok = load_tokenizer(args.tokenizer)
+    load = load_rollouts if args.task == "grpo" else load_sft
+    samples, report = load(args.data, tok, max_len=args.max_tokens, truncation=args.truncation)
+    if not args.worker and os.environ.get("JAXODC_RANK", "0") == "0":
+        print(f"data: {report}", flush=True)
+    return samples
+
+
+def task_loss(args):
+    """The linen loss(apply, batch) of --task: the summed per-token loss, or GRPO's."""
+    if args.task == "grpo":
+        return grpo_of(args).linen_loss
+    return lambda apply, batch: apply(batch).sum()
+
+
+def task_kwargs(args) -> dict:
+    """Trainer(task=, grpo=) for --task."""
+    if args.task == "grpo":
+        return {"task": "grpo", "grpo": grpo_of(args)}
+    return {}
+
+
+def with_reference(args, model, params, samples):
+    """GRPO with --kl and rollouts without ref_logprobs: every rank computes them from the initial
+    weights (the frozen reference) before training."""
+    from jaxodc.modeling.rl import REF_LOGP, reference_logprobs
+    if args.task != "grpo" or not args.kl or REF_LOGP in getattr(samples.tokens[0], "fields", {}):
+        return samples
+    fn = getattr(model, "token_losses", None)
+    if fn is None:
+        raise ValueError("--kl needs the rollouts' ref_logprobs for this model (it exposes no per-token losses)")
+    from jaxodc.data import Samples
+    return Samples(reference_logprobs(fn, params, samples.tokens, args.max_tokens))
 
 
 # --------------------------------------------------------------------------- rank side
@@ -423,6 +527,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     comm, balance = run
     model, params = hf_model_of(args, ctx.world, comm) if hf_dir(args) else model_of(args)
     width = model.hf_config.hidden if hf_dir(args) else args.d_model
+    samples = with_reference(args, model, params, samples)
     opt = optax.adam(args.lr)
     if args.clip > 0:
         opt = optax.chain(clip_by_global_norm(args.clip), opt)
@@ -435,7 +540,7 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
                       cost=cost_of(args, width), ctx=ctx, min_bucket=args.min_bucket or None,
                       compress=parse_compression(args.compress), precision=args.precision,
-                      straggle=parse_straggle(args.straggle), **odc_kwargs)
+                      straggle=parse_straggle(args.straggle), **task_kwargs(args), **odc_kwargs)
     with trainer:
         ck = checkpoint_dir(args, run, n_runs)
         if args.resume and checkpoint.exists(ck):

@@ -226,6 +226,26 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
     return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy, precision)
 
 
+def _task(model, task: str, grpo, precision):
+    """(the model to train, the per-token fields its batches carry, the task's config to check
+    across ranks) for Trainer(task=...)."""
+    from jaxodc.modeling.rl import ADVANTAGE, GRPO, OLD_LOGP, REF_LOGP, task_model
+    if task == "sft":
+        if grpo is not None:
+            raise ValueError("grpo= settings apply to task='grpo'")
+        return task_model(model, task), (), {"task": task}
+    grpo = GRPO() if grpo is None else grpo
+    if not isinstance(grpo, GRPO):
+        raise TypeError(f"grpo must be a jaxodc.modeling.rl.GRPO, got {type(grpo).__name__}")
+    p = precision_of(precision)
+    if p.param_dtype != "fp32" and p.cast_inputs:
+        raise ValueError(f"task='grpo' with precision {str(p)!r} would round the advantages and log-probabilities "
+                         "to bf16 (the batch's float leaves are cast): add keep_inputs (\"bf16,keep_inputs\", "
+                         "MixedPrecision(cast_inputs=False))")
+    fields = (ADVANTAGE, OLD_LOGP) + ((REF_LOGP,) if grpo.kl_coef else ())
+    return task_model(model, task, grpo), fields, {"task": task, "grpo": repr(grpo)}
+
+
 def _digest(x) -> str:
     return hashlib.sha256(repr(x).encode()).hexdigest()[:12]
 
@@ -261,6 +281,11 @@ class Trainer:
       precision: "fp32", "bf16" or a `MixedPrecision` (see `sharded_step`).
       straggle: straggler injection (`jaxodc.train.straggle.Straggle`; records then carry the
         injected seconds per microbatch), None for none; every rank the same (checked).
+      task: "sft" (the model's summed per-token loss over the samples' loss masks) or "grpo"
+        (jaxodc.modeling.rl: a unit-staged model's per-token cross entropy becomes the GRPO loss
+        with `grpo`'s settings; a loss function computes it itself, e.g.
+        linen_loss_fn(module, grpo.linen_loss)). Samples: jaxodc.modeling.dataset's.
+      grpo: the GRPO objective's settings (`jaxodc.modeling.rl.GRPO`; default GRPO()).
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
         link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
@@ -274,7 +299,7 @@ class Trainer:
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
                  compress: Compression | None = None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
-                 **runtime_kwargs):
+                 task: str = "sft", grpo=None, **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -293,11 +318,13 @@ class Trainer:
                 if not hasattr(model, "init"):
                     raise ValueError("a loss function needs params= (its initial parameters)")
                 params = model.init(jax.random.PRNGKey(seed))
+            model, fields, task_config = _task(model, task, grpo, precision)
+            self.task = task
             self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress, precision=precision)
             # a loss function is traced on one packed microbatch (the batches fit() feeds it)
-            example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens).as_dict()
+            example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens, fields=fields).as_dict()
             if ctx.world > 1:
-                config = {**self.step_fn.config(params, ctx.world, example), "balance": balance,
+                config = {**self.step_fn.config(params, ctx.world, example), **task_config, "balance": balance,
                           "max_tokens": self.max_tokens, "min_bucket": min_bucket,
                           "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)],
                           "straggle": None if straggle is None else straggle.spec()}

@@ -524,13 +524,13 @@ class CollectiveTrainer(ShardedTrainer):
         self.version += 1
         return res
 
-    def warmup(self, row_lengths: Sequence[int]) -> None:
+    def warmup(self, row_lengths: Sequence[int], fields: Sequence[str] = ()) -> None:
         """Compile the microbatch step for each row length (e.g. every bucket) by running it on an
         all-padding microbatch whose gradient is discarded, and the optimizer step on copies;
         parameters and optimizer state are untouched. Every rank must call it with the same
-        lengths (it runs collectives)."""
+        lengths (it runs collectives). `fields`: the per-token fields training batches carry."""
         for T in row_lengths:
-            self.discard_microbatch(pack([], int(T)).as_dict())
+            self.discard_microbatch(pack([], int(T), fields=fields).as_dict())
         # the optimizer step too, on copies (it donates its inputs)
         jax.block_until_ready(self._optimize(self._copy(self.shards), self._copy(self.opt_state), self._zeros()))
 
@@ -566,7 +566,7 @@ class CollectiveTrainer(ShardedTrainer):
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
                                lockstep=True)
-        res = self.train_minibatch(mbs, plan_global_tokens(plan), sample_ids=plan.ranks[self.rank])
+        res = self.train_minibatch(mbs, plan_global_tokens(plan, samples), sample_ids=plan.ranks[self.rank])
         res.ran = list(plan.ranks[self.rank])
         return res
 

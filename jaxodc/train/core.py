@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from jaxodc.balance.cost import CostModel
-from jaxodc.balance.packing import bucket, loss_tokens, pack
+from jaxodc.balance.packing import bucket, fields_of, loss_tokens, pack, sample_loss_tokens
 from jaxodc.balance.plan import Plan, make_plan, validate_run
 from jaxodc.optim.clipping import global_reduction
 from jaxodc.train.metrics import MinibatchRecord, Progress
@@ -172,7 +172,7 @@ def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_t
         mbs = plan.ranks[r]
         return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, plan.max_tokens, min_bucket)
 
-    out = []
+    out, fields = [], fields_of(samples)  # the padding microbatches carry the same arrays
     for m, mb in enumerate(mine):
         if min_bucket is None:
             T = plan.max_tokens
@@ -180,13 +180,15 @@ def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_t
             T = max(size(r, m) for r in range(plan.world))
         else:
             T = size(rank, m)
-        out.append(pack([samples[i] for i in mb], T).as_dict())
+        out.append(pack([samples[i] for i in mb], T, fields=fields).as_dict())
     return out
 
 
-def plan_global_tokens(plan: Plan) -> int:
-    """Loss tokens of the whole minibatch (what every microbatch loss is divided by)."""
-    return loss_tokens(plan.lengths)
+def plan_global_tokens(plan: Plan, samples: Sequence | None = None) -> float:
+    """Loss tokens of the whole minibatch (what every microbatch loss is divided by): with the
+    minibatch's `samples`, their loss masks' sum (packing.Sample: completion / assistant tokens
+    only), else every sample's length - 1."""
+    return loss_tokens(plan.lengths) if samples is None else sample_loss_tokens(samples)
 
 
 class ShardedTrainer(abc.ABC):

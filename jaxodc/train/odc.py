@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.experimental import io_callback
 
-from jaxodc.balance.packing import bucket, pack
+from jaxodc.balance.packing import bucket, fields_of, pack
 from jaxodc.balance.plan import Plan, iter_steal
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
@@ -352,13 +352,15 @@ class OdcTrainer(ShardedTrainer):
         else:
             claims = iter(plan.ranks[self.rank])
 
+        fields = fields_of(samples)
+
         def packed():
             for mb in claims:
                 ran.append(mb)
                 T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
-                yield pack([samples[i] for i in mb], T).as_dict()
+                yield pack([samples[i] for i in mb], T, fields=fields).as_dict()
 
-        res = self.train_minibatch(packed(), plan_global_tokens(plan), sample_ids=ran)
+        res = self.train_minibatch(packed(), plan_global_tokens(plan, samples), sample_ids=ran)
         res.ran = ran
         return res
 
