@@ -158,13 +158,7 @@ def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None) -> tuple[dict[
             table[int(T)] = statistics.median(ts)
     rt.done(v)
     rt.wait_complete(v)
-    grads = {u.name: jnp.asarray(rt.fetch_grad(u.index)) for u in trainer.layout.units}
-    copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
-    if getattr(trainer, "unitwise", None) is not None:  # its per-unit calls; updates dropped
-        jax.block_until_ready(trainer.unitwise.step(trainer.shards, copy(trainer.opt_state), grads, ver,
-                                                    lambda name, upd: None))
-    else:
-        jax.block_until_ready(trainer._opt_step(copy(trainer.shards), copy(trainer.opt_state), grads, ver))
+    trainer.warm_end()  # the end-of-minibatch programs; this minibatch's gradients dropped
     trainer._publish(trainer.shards, v + 1)
     trainer.version = v + 1
     return pad, full
