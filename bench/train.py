@@ -306,7 +306,7 @@ def train_worker(args) -> None:
                 records.append({
                     "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
-                    "opt": list(res.opt), "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
+                    "opt": list(res.opt), "end_s": res.end_s, "samples": len(mine), "tokens": int(sum(plan.lengths[i] for i in mine)),
                     "loss": res.loss, "n_micro": sum(1 for m in res.ran if m), "busy_est": busy + opt_s,
                     "cpu": res.cpu, "stolen": sum(1 for m in res.ran if m and m not in own),
                     # where stealing could act: when this rank drained its own deque (s after the
@@ -409,6 +409,8 @@ def _summarize_cells(records: list[dict]) -> tuple[list[dict], dict]:
             "minibatches_with_steals": len({(r["rep"], r["k"]) for r in allrecs if r.get("stolen", 0)}),
             "microbatches_per_rank": sum(r["n_micro"] for r in allrecs) / (W * len(steps)),
             "loss": last["loss"],
+            # the end of a minibatch (StepResult.end_s): the median over ranks and minibatches
+            "end_s": statistics.median(r.get("end_s", 0.0) for r in allrecs),
             "straggle_s_per_minibatch": sum(r.get("straggle_s", 0.0) for r in allrecs) / len(steps),
             "stolen_s_per_minibatch": sum(r.get("stolen_s", 0.0) for r in allrecs) / len(steps),
             "minibatches_throttled": len({(r["rep"], r["k"]) for r in allrecs if r.get("throttled")}),
@@ -505,7 +507,7 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
     print_table([dict(r, combo=f"{r['comm']}+{r['balance']}" + (f" ({r['straggle']})" if r.get("straggle") else ""))
                  for r in rows],
                 ["minibatch", "combo", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "tokens_per_s",
-                 "bubble_rate", "bubble_intervals", "bubble_model", "microbatches_per_rank", "reps"])
+                 "bubble_rate", "bubble_intervals", "bubble_model", "end_s", "microbatches_per_rank", "reps"])
     print("(bubble_rate: busy = each rank's process CPU time in the minibatch, every combo alike; bubble_intervals:"
           " busy = microbatch + optimizer intervals; bubble_model: busy from the cost model)")
     if raw:

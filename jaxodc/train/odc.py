@@ -183,6 +183,7 @@ class OdcTrainer(ShardedTrainer):
             token = new_token
         self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
         self._grads = None  # zero-copy arrays of the runtime's accumulators, made once (_grad_arrays)
+        self._global_tokens = 1.0  # the current minibatch's (grad_exchange's argument)
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
