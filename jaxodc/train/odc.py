@@ -268,19 +268,19 @@ class OdcTrainer(ShardedTrainer):
         self.shards = shards
 
     def _grad_arrays(self) -> dict:
-        """The runtime's gradient accumulators as jax arrays: zero-copy views made once where jax
-        can alias them (they are read only after wait_complete and cleared after the optimizer),
-        else fresh copies each minibatch. With a grad_exchange, its results."""
+        """The completed minibatch's gradients as jax arrays. grad_view is asked every minibatch
+        (the runtime may finish its accumulation there); where jax can alias its memory, the
+        zero-copy arrays made the first time are reused while the views stay where they were
+        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
+        views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
         if self.grad_exchange is not None:
-            views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
             return {n: jax.device_put(g) for n, g in self.grad_exchange(views, self._global_tokens).items()}
-        if self._grads is None:
-            views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
-            grads = {n: jax.device_put(g) for n, g in views.items()}
-            if self._masters is None or not all(_aliases(grads[n], views[n]) for n in grads):
-                return grads
+        if self._grads is not None and all(_aliases(self._grads[n], g) for n, g in views.items()):
+            return self._grads
+        grads = {n: jax.device_put(g) for n, g in views.items()}
+        if self._masters is not None and all(_aliases(grads[n], views[n]) for n in grads):
             self._grads = grads
-        return self._grads
+        return grads
 
     def _end(self, v: int, loss: float, global_tokens: float) -> float:
         """The end of runtime minibatch v, after wait_complete(v): one exchange of the loss, the
