@@ -44,8 +44,8 @@ def global_reduction(fn: Callable[[jax.Array], jax.Array]):
 
 
 def global_sum(x: jax.Array) -> jax.Array:
-    """Sum of `x` (a scalar, or a small array) over all ranks (the identity outside a trainer's
-    optimizer step). The number of calls in one update must not depend on values."""
+    """Sum of scalar `x` over all ranks (the identity outside a trainer's optimizer step). The
+    number of calls in one update must not depend on values."""
     st = _reducers()
     return st[-1](x) if st else x
 
