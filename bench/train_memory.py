@@ -234,8 +234,10 @@ def worker(args) -> int:
         warmup_odc(tr, [T], 1)
     tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
     gc.collect()
-    # Arrays that are the runtime's own masters (OdcTrainer on CPU) are counted once, as native.
+    # Arrays that are the runtime's own masters or accumulators (OdcTrainer on CPU: its shards and
+    # its zero-copy gradient arrays) are counted once, as native.
     masters = {rt.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
+    masters |= {a.unsafe_buffer_pointer() for a in (getattr(tr, "_grads", None) or {}).values()}
     live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
                if not (masters and a.unsafe_buffer_pointer() in masters))
     # The ODC runtime's segment and accumulators, or the lock-step group's segment (transport
