@@ -442,7 +442,8 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
             "units": len(tr.layout.units), "largest_unit": unit, "activations": act["activations"], "S": S,
             "mb_phase": acc["mb_phase"], "opt_phase": acc["opt_phase"], "state_bytes": acc["state"],
             "mb_step": acc["mb_step"], "opt_step": acc["opt_step"], **acc["native"],
-            "opt_unitwise": getattr(tr, "unitwise", None) is not None, "_full": full}
+            "opt_unitwise": (getattr(tr, "unitwise", None) is not None if comm == "collective" else tr.end.separable),
+            "_full": full}
 
 
 def worker(args) -> int:

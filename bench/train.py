@@ -169,13 +169,7 @@ def warmup_odc(trainer, rows, repeats: int, barrier=lambda: None, fields=()) -> 
             table[int(T)] = statistics.median(ts)
     rt.done(v)
     rt.wait_complete(v)
-    grads = {u.name: jnp.asarray(rt.fetch_grad(u.index)) for u in trainer.layout.units}
-    copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t))
-    if getattr(trainer, "unitwise", None) is not None:  # its per-unit calls; updates dropped
-        jax.block_until_ready(trainer.unitwise.step(trainer.shards, copy(trainer.opt_state), grads, ver,
-                                                    lambda name, upd: None))
-    else:
-        jax.block_until_ready(trainer._opt_step(copy(trainer.shards), copy(trainer.opt_state), grads, ver))
+    trainer.warm_end()  # the end-of-minibatch programs; this minibatch's gradients dropped
     trainer._publish(trainer.shards, v + 1)
     trainer.version = v + 1
     return pad, full
@@ -335,7 +329,7 @@ def train_worker(args) -> None:
                     "stolen_s": sum(b - a for m, (a, b) in zip(res.ran, res.microbatches) if m and m not in own),
                     "throttled": bool(straggle and straggle.throttles(data_step, rank)),
                     "straggle": straggle.spec() if straggle else None, "straggle_s": sum(res.straggle_s or []),
-                    "end_s": getattr(res, "end_s", None)})
+                    "end_s": res.end_s})
     rt.close()
     coll_j.close()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
@@ -468,6 +462,7 @@ def _summarize_cells(records: list[dict]) -> tuple[list[dict], dict]:
             "straggle_s_per_minibatch": sum(r.get("straggle_s", 0.0) for r in allrecs) / len(steps),
             "stolen_s_per_minibatch": sum(r.get("stolen_s", 0.0) for r in allrecs) / len(steps),
             "minibatches_throttled": len({(r["rep"], r["k"]) for r in allrecs if r.get("throttled")}),
+            # the end of a minibatch (StepResult.end_s): the median over ranks and minibatches
             "end_s": _median_or_none([r.get("end_s") for r in allrecs]),
         })
     order = {c: i for i, c in enumerate(COMBOS)}

@@ -113,19 +113,18 @@ def accounted(tr, batch: dict) -> dict:
         grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
         mb_c = _compiled(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
         mb = _memory(mb_c)
-        if tr.unitwise is None:
-            opt = _analysis(tr._opt_step, tr.shards, tr.opt_state, grads, jnp.int32(tr.version))
-        else:  # one call per unit, one after the other: the largest counts
-            opt = max((_analysis(fn, *a) for _, fn, a in tr.unitwise.calls(tr.shards, tr.opt_state, grads,
-                                                                             jnp.int32(tr.version))),
-                      key=lambda m: m["temp"] + m["output"] - m["alias"])
+        # the end of a minibatch (train.unitwise.EndStep): its programs run one after the other
+        import jax
+        opt = max((_analysis(fn, *a) for _, fn, a in tr.end.programs(tr.shards, jax.tree_util.tree_leaves(tr.opt_state),
+                                                                      grads)),
+                  key=lambda m: m["temp"] + m["output"] - m["alias"])
         mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
         if tr._masters is None:
             opt_phase = outside + _step_peak(opt)         # args: shards, optimizer state, fetched gradients
         else:
             # The shards are the runtime's masters and the gradients its accumulators (both in
-            # `outside`, whichever of them the step reads); the step outputs the updates (of one
-            # unit under tr.unitwise), added into the masters in place.
+            # `outside`); the program writes each unit's new shard into its master from inside
+            # (one unit's alive at a time when the update is separable) and donates the state.
             mb_phase -= _local_nbytes(tr.shards)
             opt_phase = outside + opt_bytes + opt["temp"] + opt["output"] - opt["alias"]
     return {"state": state, "mb_step": mb, "opt_step": opt, "native": native, "mb_phase": mb_phase,
@@ -235,8 +234,10 @@ def worker(args) -> int:
         warmup_odc(tr, [T], 1)
     tr.train_plan(*minibatch(0))  # first real minibatch: touches every buffer and peer segment
     gc.collect()
-    # Arrays that are the runtime's own masters (OdcTrainer on CPU) are counted once, as native.
+    # Arrays that are the runtime's own masters or accumulators (OdcTrainer on CPU: its shards and
+    # its zero-copy gradient arrays) are counted once, as native.
     masters = {rt.master_view(u.index).ctypes.data for u in layout.units} if rt else set()
+    masters |= {a.unsafe_buffer_pointer() for a in (getattr(tr, "_grads", None) or {}).values()}
     live = sum(sum(sh.data.nbytes for sh in a.addressable_shards) for a in jax.live_arrays()
                if not (masters and a.unsafe_buffer_pointer() in masters))
     # The ODC runtime's segment and accumulators, or the lock-step group's segment (transport
@@ -266,7 +267,7 @@ def worker(args) -> int:
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase,
-           "opt_unitwise": comm == "odc" and tr.unitwise is not None, "mb_step": mb, "opt_step": opt, **native,
+           "opt_unitwise": comm == "odc" and tr.end.separable, "mb_step": mb, "opt_step": opt, **native,
            "live_arrays": live, "native_live": native_live, "transient_rss": transient,
            "process_overhead": overhead, "d_model": args.memory_d_model, "layers": args.memory_layers}
     if rt:

@@ -38,6 +38,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > r["samples_per_s"], r
         for k in ("bubble_rate", "bubble_intervals", "bubble_model"):
             assert 0.0 <= r[k] <= 1.0, (k, r)
+        assert 0.0 < r["end_s"] < 5.0, r  # the end of a minibatch (StepResult.end_s), median
         assert r["steps"] == max(1, math.ceil(1 / r["minibatch"])) and r["reps"] == 1
         assert math.isfinite(r["loss"]) and r["loss"] > 0
     bars = [r for r in records if r["kind"] == "bar"]

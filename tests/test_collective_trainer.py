@@ -192,7 +192,7 @@ def test_collective_matches_reference(tmp_path):
 # The ODC driver (OdcTrainer) against a test-only, in-process runtime: two ranks as two threads on
 # two host devices of one process, sharing Python dicts instead of the real ODC shard store. It
 # checks the driver's protocol (my microbatches -> done -> wait_complete -> fetch_grad ->
-# optimizer -> publish; global sums through allgather_scalar; stealing through claim) with
+# optimizer -> publish; global sums through allgather; stealing through claim) with
 # different microbatch counts per rank, a rank with none, and LB-Steal. The real runtime is
 # jaxodc.odc's; this double only stands in for it here.
 
@@ -287,6 +287,10 @@ def _thread_runtime(hub, rank):
                 hub.cv.notify_all()
             hub.wait(lambda: len(hub.scal[(version, k)]) == hub.world, f"allgather_scalar #{k} of version {version}")
             return np.array([hub.scal[(version, k)][r] for r in range(hub.world)])
+
+        def allgather(self, version, values):
+            rows = [self.allgather_scalar(version, x) for x in np.asarray(values, np.float64).reshape(-1)]
+            return np.stack(rows, axis=1).reshape(hub.world, len(rows))
 
         def claim(self, version, owner, count, steal):
             return hub.deques.claim(version, owner, count, steal)
@@ -388,7 +392,7 @@ def test_odc_driver_matches_reference(tmp_path):
             norms.append(float(optax.tree.norm(g)))
             ref.apply(g)
             ref_losses.append(loss)
-        assert max(norms) > MAX_NORM  # clipping (a global sum through allgather_scalar) is exercised
+        assert max(norms) > MAX_NORM  # clipping (a global sum through allgather) is exercised
     finally:
         try:
             out, _ = p.communicate(timeout=150)

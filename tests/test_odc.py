@@ -561,3 +561,65 @@ def test_grad_view_and_in_place_publish():
     finally:
         rt.close()
     np.testing.assert_array_equal(master, 7.0)  # still mapped: lent views may outlive close()
+
+
+# -- the minibatch's exchange and the in-place store ----------------------------------------------
+
+def allgather_body(ctx, transport):
+    """Vectors of several lengths (one post, several posts) between scalar calls, every rank's in
+    rank order; then a rank passing another length is named as out of step."""
+    rt = make_runtime(ctx, sizes=[8], transport=transport)
+    got = []
+    for v, n in enumerate((1, 5, 62, 63, 130)):
+        mine = np.random.default_rng([ctx.rank, n]).standard_normal(n)
+        got.append(rt.allgather(v, mine))
+        got.append(rt.allgather_scalar(v, float(ctx.rank + 0.25)))
+    err = ""
+    try:
+        rt.allgather(9, np.zeros(3 if ctx.rank == 0 else 4))
+    except Exception as e:  # noqa: BLE001 - the message is the check
+        err = str(e)
+    rt.close(barrier=False)
+    return got, err
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_allgather_vectors_in_one_exchange(transport):
+    W = 3
+    results = run_ranks(allgather_body, W, args=(transport,))
+    for got, err in results:
+        for k, n in enumerate((1, 5, 62, 63, 130)):
+            want = np.stack([np.random.default_rng([r, n]).standard_normal(n) for r in range(W)])
+            np.testing.assert_array_equal(got[2 * k], want)  # float64 on the wire: exact
+            np.testing.assert_array_equal(got[2 * k + 1], np.arange(W) + 0.25)
+        assert "out of step" in err and "same length" in err, err
+
+
+def test_store_master_writes_the_shard_in_place():
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.odc import Runtime
+    from jaxodc.ops import new_token
+    from jaxodc.ops.odc import odc_store_master
+    rt = Runtime([10, 6], rank=0, world=1, rendezvous=None, job_id=f"sm{os.getpid()}", device=None)
+    try:
+        rt.publish(0, np.zeros(10, np.float32), 0)
+        rt.publish(1, np.zeros(6, np.float32), 0)
+        x = np.arange(10, dtype=np.float32)
+
+        @jax.jit
+        def store(a, b):
+            t = odc_store_master(a * 2, new_token(), runtime=rt, unit=0)
+            return odc_store_master(b + 1, t, runtime=rt, unit=1)
+
+        rt.done(0)
+        rt.wait_complete(0)
+        assert int(store(jnp.asarray(x), jnp.zeros(6))[0]) == 2  # the token advanced once per store
+        np.testing.assert_array_equal(rt.master_view(0), 2 * x)
+        np.testing.assert_array_equal(rt.master_view(1), np.ones(6))
+        rt.publish_in_place(0, 1)
+        np.testing.assert_array_equal(rt.gather(0, 1), 2 * x)
+        with pytest.raises(Exception, match="unit 1 on rank 0: local shard has 5 elements, expected 6"):
+            jax.block_until_ready(jax.jit(lambda a: odc_store_master(a, new_token(), runtime=rt, unit=1))(jnp.zeros(5)))
+    finally:
+        rt.close()

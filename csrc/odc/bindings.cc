@@ -164,6 +164,8 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("allgather_scalar", &Runtime::allgather_scalar, nb::arg("version"), nb::arg("value"),
            nb::call_guard<nb::gil_scoped_release>())
+      .def("allgather", &Runtime::allgather, nb::arg("version"), nb::arg("values"),
+           nb::call_guard<nb::gil_scoped_release>())
       .def(
           "fetch_grad",
           [](Runtime& rt, int unit) {
@@ -242,6 +244,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   add_target(targets, "jaxodc_odc_gather_pieces", "cpu", odc::OdcGatherPiecesCpu);
   add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
   add_target(targets, "jaxodc_odc_scatter_range", "cpu", odc::OdcScatterRangeCpu);
+  add_target(targets, "jaxodc_odc_store_master", "cpu", odc::OdcStoreMasterCpu);
 #ifdef JAXODC_WITH_CUDA
   add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
   add_target(targets, "jaxodc_odc_gather_into", "CUDA", odc::OdcGatherIntoCuda);

@@ -49,6 +49,12 @@ void Core::wait_scalar(SegmentHeader* s, int64_t seq, const Peer* peer, const st
     throw Error(what + ": the peer is out of step (it made more allgather_scalar calls)");
 }
 
+void check_scalar_count(int64_t got, int64_t want, const std::string& what) {
+  if (got != want)
+    throw Error(what + ": the peer is out of step (it posted " + std::to_string(got) + " values, this rank " +
+                std::to_string(want) + ": every rank must pass vectors of the same length)");
+}
+
 void Core::record_push_error(const std::string& msg) {
   std::lock_guard<std::mutex> lock(error_mu);
   if (push_error.empty()) push_error = msg;

@@ -19,6 +19,9 @@ namespace jaxodc::odc {
 
 class Peer;
 
+// Throws Error naming `what` unless an owner posted `want` values (it posted `got`).
+void check_scalar_count(int64_t got, int64_t want, const std::string& what);
+
 struct Core {
   Core(int rank, Layout layout, double timeout_s) : rank(rank), layout(std::move(layout)), timeout_s(timeout_s) {}
 

@@ -1,4 +1,6 @@
 // CPU handlers of the ODC ops: the runtime reads and writes XLA's host buffers directly.
+#include <cstring>
+
 #include "odc/ffi.h"
 
 namespace jaxodc::odc {
@@ -68,8 +70,33 @@ ffi::Error ScatterRangeCpuImpl(ffi::AnyBuffer local_shard, ffi::AnyBuffer grad, 
   });
 }
 
+// Writes `value` over my master shard of `unit`: the optimizer's new parameters, stored from inside
+// its compiled program so that no unit's new shard outlives its store. Only between
+// wait_complete(v) and publish_in_place(v + 1) (Runtime::master_data).
+ffi::Error StoreMasterCpuImpl(ffi::AnyBuffer value, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                              int64_t runtime, int64_t unit) {
+  Runtime* rt;
+  ElemType type;
+  if (auto err = check_call("odc.store_master", runtime, unit, value.element_type(), value.element_count(),
+                            ffi::DataType::F32, -1, &rt, &type);
+      err.failure())
+    return err;
+  if (auto err = check_token(token, "odc.store_master"); err.failure()) return err;
+  advance_token(token, token_out);
+  return run_guarded([&] {
+    std::memcpy(rt->master_data(static_cast<int>(unit)), value.untyped_data(), value.element_count() * 4);
+  });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcStoreMasterCpu, StoreMasterCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("runtime")
+                                  .Attr<int64_t>("unit"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherCpu, GatherCpuImpl, bind_gather(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherIntoCpu, GatherIntoCpuImpl, bind_gather_into(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCpu, GatherPiecesCpuImpl, bind_gather_pieces(ffi::Ffi::Bind()));

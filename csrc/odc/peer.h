@@ -57,8 +57,9 @@ class Peer {
   }
   virtual void done(int64_t version) = 0;
   virtual int64_t claim(int64_t version, int64_t count, bool steal) = 0;
-  // This owner's value of allgather_scalar call `seq`.
-  virtual double scalar(int64_t seq, const std::string& what) = 0;
+  // This owner's `n` values of allgather post `seq` (n <= kScalarWords) into `out`; an owner that
+  // posted another count is out of step (Error).
+  virtual void scalars(int64_t seq, int64_t n, double* out, const std::string& what) = 0;
   // Throws PeerError naming `what` when this owner is known to be gone, so a wait on its memory
   // does not run into its timeout.
   virtual void check_alive(const std::string& /*what*/) const {}
@@ -94,7 +95,7 @@ class MappedPeer : public Peer {
                   std::vector<float>& staging) override;
   void done(int64_t version) override;
   int64_t claim(int64_t version, int64_t count, bool steal) override;
-  double scalar(int64_t seq, const std::string& what) override;
+  void scalars(int64_t seq, int64_t n, double* out, const std::string& what) override;
 
  protected:
   SegmentHeader* seg_;
@@ -142,7 +143,7 @@ class TcpPeer : public Peer {
   void push_sketch(int unit, int64_t version, int64_t offset, const SketchChunk& chunk) override;
   void done(int64_t version) override;
   int64_t claim(int64_t version, int64_t count, bool steal) override;
-  double scalar(int64_t seq, const std::string& what) override;
+  void scalars(int64_t seq, int64_t n, double* out, const std::string& what) override;
   void say_goodbye() override;
   void close() override;
 

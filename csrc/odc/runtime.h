@@ -177,6 +177,9 @@ class Runtime {
   // Every rank's `value` for this call; all ranks make the same sequence of calls. `version` only
   // labels errors.
   std::vector<double> allgather_scalar(int64_t version, double value);
+  // Every rank's `values` in one exchange (a post per kScalarWords values), rank-major: element
+  // [d * n + i] is rank d's values[i]. Every rank passes the same length.
+  std::vector<double> allgather(int64_t version, const std::vector<double>& values);
 
   // Owner side.
   void wait_complete(int64_t version);

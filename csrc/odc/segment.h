@@ -67,10 +67,14 @@ struct alignas(64) SlotHeader {
   uint64_t sketch_seed;
 };
 
+// One post of Runtime::allgather: up to kScalarWords values (longer vectors take several posts).
+constexpr int kScalarWords = 62;
 struct alignas(64) ScalarEntry {
   std::atomic<int64_t> version;
-  double value;
+  int64_t count;  // values posted
+  double values[kScalarWords];
 };
+static_assert(sizeof(ScalarEntry) == 512, "a post is 512 bytes");
 
 struct SegmentHeader {
   uint64_t magic;

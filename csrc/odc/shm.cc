@@ -36,9 +36,11 @@ int64_t MappedPeer::claim(int64_t version, int64_t count, bool steal) {
   return claim_microbatch(seg_, version, count, steal, rank_);
 }
 
-double MappedPeer::scalar(int64_t seq, const std::string& what) {
+void MappedPeer::scalars(int64_t seq, int64_t n, double* out, const std::string& what) {
   core_.wait_scalar(seg_, seq, this, what);
-  return seg_->scalar(seq)->value;
+  const ScalarEntry* e = seg_->scalar(seq);
+  check_scalar_count(e->count, n, what);
+  std::memcpy(out, e->values, static_cast<size_t>(n) * sizeof(double));
 }
 
 SelfPeer::SelfPeer(const Core& core, Runtime& rt) : MappedPeer(core, core.rank, core.seg), rt_(rt) {}

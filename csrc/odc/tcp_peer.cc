@@ -100,8 +100,12 @@ int64_t TcpPeer::claim(int64_t version, int64_t count, bool steal) {
       .count;
 }
 
-double TcpPeer::scalar(int64_t seq, const std::string& what) {
-  return call(request(kScalar, core_.rank, 0, seq), core_.timeout_s + 5, what).value;
+void TcpPeer::scalars(int64_t seq, int64_t n, double* out, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  send(request(kScalar, core_.rank, 0, seq, n));
+  const WireHeader r = recv_reply(fd_, name(), core_.timeout_s + 5, what, core_.link_latency);
+  check_scalar_count(r.count, n, what);  // the owner sends its post's values only when the counts agree
+  tcp::recv_within(fd_, out, static_cast<size_t>(n) * sizeof(double), core_.timeout_s, name());
 }
 
 void TcpPeer::say_goodbye() {

@@ -307,9 +307,11 @@ void TcpServer::serve(int fd) {
                                   "posting scalar call " + std::to_string(h.version) + for_client);
               }))
             break;
+          // The values follow only when the client wants as many as were posted (`count`).
+          const ScalarEntry* e = seg->scalar(h.version);
           WireHeader r{};
-          r.value = seg->scalar(h.version)->value;
-          out.send(r);
+          r.count = e->count;
+          out.send(r, e->values, e->count == h.count ? static_cast<size_t>(e->count) * sizeof(double) : 0);
           break;
         }
         case kClaim: {

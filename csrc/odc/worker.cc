@@ -1,5 +1,7 @@
 // The worker side of the runtime: gather and scatter-accumulate over every owner (each through its
 // transport, peer.h), the done markers, LB-Steal claims and the scalar all-gather.
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "odc/compress.h"
@@ -181,22 +183,34 @@ int64_t Runtime::claim(int64_t version, int owner, int64_t count, bool steal) {
   return peers_[owner]->claim(version, count, steal);
 }
 
-std::vector<double> Runtime::allgather_scalar(int64_t version, double value) {
-  check_open("allgather_scalar");
-  // Entries are tagged by a per-runtime call sequence (every rank makes the same calls in the same
-  // order), so several scalars per minibatch never overwrite each other. A rank can run at most
-  // one call ahead of the slowest, so a ring of kRing entries is never overrun.
-  const int64_t seq = scalar_calls_++;
+std::vector<double> Runtime::allgather(int64_t version, const std::vector<double>& values) {
+  check_open("allgather");
+  // Posts are tagged by a per-runtime sequence (every rank makes the same calls in the same order),
+  // so several per minibatch never overwrite each other. A rank can run at most one post ahead of
+  // the slowest, so a ring of kRing entries is never overrun. A vector longer than one post takes
+  // several, in order.
+  const int64_t n = static_cast<int64_t>(values.size());
+  std::vector<double> out(static_cast<size_t>(world() * n), 0.0);
   SegmentHeader* seg = core_->seg;
-  ScalarEntry* mine = seg->scalar(seq);
-  mine->value = value;
-  mine->version.store(seq, std::memory_order_release);
-  signal_event(&seg->scalar_seq);
-  std::vector<double> out(world(), 0.0);
-  for (int d = 0; d < world(); ++d)
-    out[d] = peers_[d]->scalar(seq, "waiting for the scalar of rank " + std::to_string(d) + " (call " +
-                                        std::to_string(seq) + ", minibatch " + std::to_string(version) + ")");
+  int64_t at = 0;
+  do {
+    const int64_t chunk = std::min<int64_t>(kScalarWords, n - at);
+    const int64_t seq = scalar_calls_++;
+    ScalarEntry* mine = seg->scalar(seq);
+    mine->count = chunk;
+    std::memcpy(mine->values, values.data() + at, static_cast<size_t>(chunk) * sizeof(double));
+    mine->version.store(seq, std::memory_order_release);
+    signal_event(&seg->scalar_seq);
+    for (int d = 0; d < world(); ++d)
+      peers_[d]->scalars(seq, chunk, out.data() + d * n + at,
+                         "waiting for the values of rank " + std::to_string(d) + " (all-gather post " +
+                             std::to_string(seq) + " of " + std::to_string(chunk) + " values, minibatch " +
+                             std::to_string(version) + ")");
+    at += chunk;
+  } while (at < n);
   return out;
 }
+
+std::vector<double> Runtime::allgather_scalar(int64_t version, double value) { return allgather(version, {value}); }
 
 }  // namespace jaxodc::odc

@@ -49,10 +49,12 @@ def draw(runs: Mapping[str, Sequence[MinibatchRecord]], path: str, title: str | 
         ax.set_yticklabels([f"rank {i}" for i in range(world)])
         ax.set_ylim(world - 0.5, -0.5)
         ax.set_xlim(0, tmax * 1.01)
+        ends = sorted(r.end_s for r in recs if r.end_s is not None)
+        end = f", end of minibatch {1e3 * ends[len(ends) // 2]:.2f} ms (median)" if ends else ""
         ax.set_title(f"{name}: bubble {100 * records_bubble_rate(recs):.1f}%, {len(steps)} minibatches, "
-                     f"{max(r.t_end for r in recs) - t0:.2f} s", fontsize=10)
+                     f"{max(r.t_end for r in recs) - t0:.2f} s{end}", fontsize=10)
     axes[-1, 0].set_xlabel("seconds")
-    fig.legend(handles=[Patch(color=_COLORS[0], label="compute (microbatches; colour alternates per minibatch)"), Patch(color="#ff7f0e", label="optimizer"),
+    fig.legend(handles=[Patch(color=_COLORS[0], label="compute (microbatches; colour alternates per minibatch)"), Patch(color="#ff7f0e", label="end of minibatch (exchange, optimizer)"),
                         Patch(color="#f4cccc", label="idle")], loc="upper right", fontsize=8, ncol=3)
     if title:
         fig.suptitle(title, x=0.02, ha="left", fontsize=11)

@@ -604,12 +604,13 @@ def report(json_path: str, timeline: str | None, shown_json: str | None = None) 
     runs = load_runs(json_path)
     summaries = {name: summarize(recs) for name, recs in runs.items() if recs}
     print()
-    print(f"{'mode':<24}{'final loss':>12}{'samples/s':>12}{'tokens/s':>12}{'bubble':>10}{'grad MB/mb':>12}")
+    print(f"{'mode':<24}{'final loss':>12}{'samples/s':>12}{'tokens/s':>12}{'bubble':>10}{'grad MB/mb':>12}"
+          f"{'end ms':>9}")
     for name, s in summaries.items():
         wire = [r.wire_bytes for r in runs[name] if r.wire_bytes is not None]
         mb = f"{sum(wire) / len(wire) / 1e6:>12.3g}" if wire else f"{'-':>12}"  # per rank and minibatch
         print(f"{name:<24}{s['loss']:>12.4f}{s['samples_per_s']:>12.2f}{s['tokens_per_s']:>12.0f}"
-              f"{s['bubble_rate']:>10.1%}{mb}")
+              f"{s['bubble_rate']:>10.1%}{mb}" + (f"{1e3 * s['end_s']:>9.2f}" if s.get("end_s") is not None else f"{'-':>9}"))
     for name in runs:
         if not runs[name]:
             print(f"{name:<24}  (no timed minibatches: raise --steps above --warmup)")

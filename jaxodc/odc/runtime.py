@@ -430,6 +430,22 @@ class Runtime:
         """
         return np.asarray(self._native.allgather_scalar(version, float(value)))
 
+    def allgather(self, version: int, values) -> np.ndarray:
+        """Every rank's vector of `values` in one exchange (what a minibatch's end agrees on:
+        loss, token count, the optimizer's partial sums); all ranks make the same sequence of
+        calls (this one and `allgather_scalar` share it) with vectors of the same length.
+
+        Args:
+          version: labels errors only.
+          values: this rank's values (float64 on the wire; 62 per post, longer vectors take
+            several posts).
+
+        Returns:
+          float64 array [world, len(values)], by rank.
+        """
+        flat = [float(x) for x in np.asarray(values, np.float64).reshape(-1)]
+        return np.asarray(self._native.allgather(version, flat)).reshape(self.world, len(flat))
+
     # Owner side -----------------------------------------------------------------------------
     def wait_complete(self, version: int) -> None:
         """Waits until every rank sent done(version) and its pushes are accumulated here."""

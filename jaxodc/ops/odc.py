@@ -213,3 +213,26 @@ def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, 
     return _scatter_call(local_shard, grad if offset is None else jnp.ravel(grad),
                          jnp.asarray(version, dtype=jnp.int32), new_token() if token is None else token,
                          runtime=handle, unit=int(unit), offset=None if offset is None else int(offset))
+
+
+def odc_store_master(value: jax.Array, token: jax.Array, *, runtime, unit: int) -> jax.Array:
+    """Writes `value` over this rank's master shard of `unit` in the runtime (CPU), from inside a
+    compiled program: the optimizer's new parameters land where peers read them, and no unit's new
+    shard has to outlive its store. Call only between `wait_complete(v)` and
+    `publish_in_place(unit, v + 1)`, which announces it.
+
+    Args:
+      value: float32 [shard_size(unit)].
+      token: the ordering token (`new_token()`, or the previous store's).
+      runtime, unit: as for `odc_gather`.
+
+    Returns:
+      The next token: what orders later work after this store.
+    """
+    handle = native_handle(runtime, "odc_store_master", "jaxodc.odc.Runtime")
+    _reject_vmap("odc_store_master", unit, value, token)
+    if value.dtype != jnp.float32 or value.ndim != 1:
+        raise TypeError(f"odc_store_master: unit {unit}: value must be a 1-D float32 array, got "
+                        f"{value.dtype}{list(value.shape)}")
+    return jax.ffi.ffi_call("jaxodc_odc_store_master", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
+        value, token, runtime=handle, unit=np.int64(unit))

@@ -1,11 +1,14 @@
 """Exact global quantities for optimizers that run on local parameter shards.
 
 A sharded trainer runs its Optax optimizer on each rank's shards, so anything that reduces over the
-whole parameter tree must also reduce over ranks. While a trainer traces its optimizer step it binds
-`global_sum` to its scalar all-sum (collective: `lax.psum`; ODC: the runtime's scalar all-gather);
-outside a trainer it is the identity. Elementwise transformations (adam, sgd, weight decay,
-schedules) need nothing; clipping by the global norm needs `clip_by_global_norm` from here
-(`optax.clip_by_global_norm` would clip each rank by its local norm).
+whole parameter tree must also reduce over ranks. `global_sum` is the hook that marks such a
+reduction: while a trainer traces its optimizer step it binds it (collective: `lax.psum` inside the
+step; ODC: `train.unitwise.EndStep` finds every call while tracing, computes the arguments of all of
+them in one program and sums them in the minibatch's one exchange, then feeds the sums to the
+optimizer's program); outside a trainer it is the identity. Elementwise transformations (adam, sgd,
+weight decay, schedules) need nothing; clipping by the global norm needs `clip_by_global_norm` from
+here (`optax.clip_by_global_norm` would clip each rank by its local norm), and a transformation of
+your own that needs a global quantity calls `global_sum` on this rank's partial sum.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def global_reduction(fn: Callable[[jax.Array], jax.Array]):
 
 
 def global_sum(x: jax.Array) -> jax.Array:
-    """Sum of scalar `x` over all ranks (the identity outside a trainer's optimizer step)."""
+    """Sum of scalar `x` over all ranks (the identity outside a trainer's optimizer step). The
+    number of calls in one update must not depend on values."""
     st = _reducers()
     return st[-1](x) if st else x
 

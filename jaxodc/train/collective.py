@@ -503,6 +503,7 @@ class CollectiveTrainer(ShardedTrainer):
             stall(self.straggle, res, self.version, self.rank, microbatch_identity(self.rank, m, sample_ids), t0,
                   compiled0)
             res.microbatches.append((t0, time.perf_counter()))
+        t0 = time.perf_counter()  # the end of the minibatch: the state's sum, the optimizer
         res.wire_bytes_units = {n: len(mbs) * w.total for n, w in self.gradient_wire.items()}
         res.wire_bytes = sum(res.wire_bytes_units.values())
         if self.compress is not None:
@@ -516,10 +517,10 @@ class CollectiveTrainer(ShardedTrainer):
             total = np.asarray(self._state_sum(state_acc).addressable_data(0))
             new = self.program.state.updated(self.consts, total)
             self.consts = tuple(c if c is old else self._replicated(c) for c, old in zip(new, self.consts))
-        t0 = time.perf_counter()
         self.shards, self.opt_state = self._optimize(self.shards, self.opt_state, acc)
         jax.block_until_ready(self.shards)
         res.opt = (t0, time.perf_counter())
+        res.end_s = res.opt[1] - t0
         res.loss, res.t_end, res.cpu = loss, res.opt[1], time.process_time() - cpu0
         self.version += 1
         return res

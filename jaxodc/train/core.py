@@ -152,6 +152,10 @@ class StepResult:
     wire_bytes_units: dict[str, int] | None = None  # wire_bytes by unit
     kept_fraction: float | None = None  # of the compressed pieces' elements sent, the fraction kept
     straggle_s: list[float] | None = None  # with straggler injection (train.straggle): seconds added per microbatch
+    # The end of the minibatch: seconds from this rank's gradients being complete (ODC: wait_complete
+    # returned; collective: its last microbatch returned) to its end (the exchange of the loss and
+    # the optimizer's global sums, the optimizer, the publication): `opt`'s length.
+    end_s: float = 0.0
 
 
 def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_to: int | None = None,

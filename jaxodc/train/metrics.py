@@ -44,6 +44,7 @@ class MinibatchRecord:
     estimated: int | None = None
     straggle_s: list | None = None  # injected seconds per microbatch (StepResult's; None: no injection)
     params_sha256: str | None = None  # `jaxodc train --json`: hash of the run's final full parameters
+    end_s: float | None = None  # the end of the minibatch (StepResult's): complete gradients -> published
 
     @property
     def busy(self) -> float:
@@ -62,7 +63,8 @@ class MinibatchRecord:
         """From a trainer's StepResult (jaxodc.train.collective)."""
         return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
                    samples, tokens, res.loss, comm, balance, None, res.wire_bytes, res.wire_bytes_selected,
-                   res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated, res.straggle_s)
+                   res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated, res.straggle_s,
+                   getattr(res, "end_s", None))
 
 
 def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchRecord]]:
@@ -96,7 +98,12 @@ def summarize(records: Sequence[MinibatchRecord]) -> dict:
         "idle_s": {rk: sum(max(max(x.t_end for x in steps[r.step]) - min(x.t_start for x in steps[r.step]) - r.busy, 0.0)
                            for r in records if r.rank == rk) for rk in ranks},
         "loss": last[0].loss,
+        "end_s": _median([r.end_s for r in records if r.end_s is not None]),
     }
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return float(sorted(xs)[len(xs) // 2]) if xs else None
 
 
 class Progress:

@@ -10,18 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import io_callback
 
 from jaxodc.balance.packing import bucket, fields_of, pack
 from jaxodc.balance.plan import Plan, iter_steal
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
-from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, optimizer_step, optimizer_updates,
-                               plan_global_tokens)
+from jaxodc.train.core import GatherFn, ShardedTrainer, StepResult, plan_global_tokens
 from jaxodc.train.precision import MixedPrecision, precision_of
 from jaxodc.train.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
-from jaxodc.train.unitwise import UnitwiseOptimizer
+from jaxodc.train.unitwise import EndStep
 
 
 class OdcRuntime(Protocol):
@@ -47,7 +45,11 @@ class OdcRuntime(Protocol):
 
     def allgather_scalar(self, version: int, x: float) -> np.ndarray:
         """Every rank's x for this version, as float64 [world]; calls happen in the same order on
-        every rank (the optimizer's global sums, then the loss)."""
+        every rank (allgather_bytes)."""
+
+    def allgather(self, version: int, values) -> np.ndarray:
+        """Every rank's vector of values in one exchange, float64 [world, len(values)]; calls (this
+        and allgather_scalar) happen in the same order on every rank: one per minibatch's end."""
 
     def claim(self, version: int, owner: int, count: int, steal: bool) -> int:
         """LB-Steal (balance.ClaimFn): one of `owner`'s `count` microbatches of minibatch
@@ -105,8 +107,9 @@ def _aliases(a: jax.Array, host: np.ndarray) -> bool:
 
 class OdcTrainer(ShardedTrainer):
     """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
-    including zero) -> done(v) -> wait_complete(v) -> fetch_grad per unit -> optimizer on local
-    shards (global sums via allgather_scalar) -> publish(unit, new shard, v+1).
+    including zero) -> done(v) -> wait_complete(v) -> the end of the minibatch: the optimizer's
+    partial sums, one exchange (allgather: loss, token count, partial sums), one optimizer program
+    over my shards -> publish every unit at v+1 (train.unitwise.EndStep; `_end`).
 
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
@@ -164,31 +167,23 @@ class OdcTrainer(ShardedTrainer):
 
         self._mb_step = jax.jit(mb_step)
 
-        def reduce_fn(version):
-            # An ordered io_callback: the exchange has side effects and every rank must make the
-            # same calls in the same order, so XLA may neither merge, drop nor reorder them.
-            def f(x):
-                cb = lambda v, y: np.float32(np.sum(runtime.allgather_scalar(int(v), float(y))))
-                return io_callback(cb, jax.ShapeDtypeStruct((), jnp.float32), version, x, ordered=True)
-            return f
-
+        # The end of a minibatch (train.unitwise.EndStep): the optimizer's global reductions found
+        # by tracing it, their partial sums computed by one program and summed in the minibatch's
+        # one exchange (with the loss and token count), then one program for the whole optimizer.
+        # With the runtime's masters as shards it writes each unit's new shard into its master from
+        # inside the program (odc_store_master), unit after unit, so no second copy of the shards
+        # exists; otherwise the shards are replaced (donated).
         self._masters = self._master_views()
-        if self._masters is None:
-            # Shards and state donated: otherwise old and new coexist.
-            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_step(optimizer, s, st, g, reduce_fn(v)),
-                                     donate_argnums=(0, 1))
-        else:
-            # The shards are the runtime's masters, memory XLA does not own and cannot write: the
-            # step returns the updates, which _optimize adds into the masters in place, so the
-            # optimizer phase holds no second copy of the shards.
-            self._opt_step = jax.jit(lambda s, st, g, v: optimizer_updates(optimizer, s, st, g, reduce_fn(v)),
-                                     donate_argnums=(1,))
-        # One unit's updates alive at a time where the transformation allows it exactly
-        # (train.unitwise); otherwise the whole-tree step above.
-        self.unitwise = None
+        store = token = None
         if self._masters is not None:
-            uw = UnitwiseOptimizer(optimizer, shards, self.opt_state, reduce_fn)
-            self.unitwise = uw if uw.separable else None
+            from jaxodc.ops import new_token
+            from jaxodc.ops.odc import odc_store_master
+            index = {u.name: u.index for u in self.layout.units}
+            store = lambda name, x, tok: odc_store_master(x, tok, runtime=runtime, unit=index[name])  # noqa: E731
+            token = new_token
+        self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
+        self._grads = None  # zero-copy arrays of the runtime's accumulators, made once (_grad_arrays)
+        self._global_tokens = 1.0  # the current minibatch's (grad_exchange's argument)
         self.version = 0
         # Runtime versions count minibatches of this runtime; after restore the trainer's step
         # (self.version) runs ahead of them by this offset (see load_local_state).
@@ -260,36 +255,90 @@ class OdcTrainer(ShardedTrainer):
         return views if _aliases(probe, views[0]) else None
 
     def _publish(self, shards: dict, version: int) -> None:
-        """Make `shards` readable by gathers of runtime `version` and the trainer's current
-        shards. A shard already in the runtime's master (updated in place) is announced, not copied."""
+        """Copy `shards` into the runtime as `version` and make them the trainer's current shards:
+        with the runtime's masters as shards, the zero-copy arrays of the masters (made once; the
+        end of a minibatch writes the masters in place and announces them, _end)."""
         for u in self.layout.units:
-            a = shards[u.name]
-            if self._masters is not None and _aliases(a, self._masters[u.index]):
-                self.rt.publish_in_place(u.index, version)
-            else:
-                self.rt.publish(u.index, np.asarray(a), version)
+            self.rt.publish(u.index, np.asarray(shards[u.name]), version)
         if self._masters is not None:
-            shards = {u.name: jax.device_put(self._masters[u.index]) for u in self.layout.units}
+            if not (isinstance(getattr(self, "shards", None), dict) and
+                    all(_aliases(self.shards[u.name], self._masters[u.index]) for u in self.layout.units)):
+                self.shards = {u.name: jax.device_put(self._masters[u.index]) for u in self.layout.units}
+            return
         self.shards = shards
 
-    def _optimize(self, grads: dict, ver: jax.Array) -> dict:
-        """The new shards. With the runtime's masters as shards they are the masters themselves,
-        updated in place (every rank's pushes of this version have landed, so no gather reads
-        them until the next version is announced)."""
-        if self.unitwise is not None:
-            def apply(name, upd):  # optax.apply_updates, in place: shard + update, in fp32
-                master = self._masters[self.layout[name].index]
-                np.add(master, np.asarray(upd), out=master, casting="same_kind")
-            self.opt_state = self.unitwise.step(self.shards, self.opt_state, grads, ver, apply)
-            return self.shards
-        out, self.opt_state = self._opt_step(self.shards, self.opt_state, grads, ver)
-        jax.block_until_ready((out, self.opt_state))
-        if self._masters is None:
-            return out
-        for u in self.layout.units:  # optax.apply_updates, in place: shard + update, in fp32
-            master = self._masters[u.index]
-            np.add(master, np.asarray(out.pop(u.name)), out=master, casting="same_kind")
-        return self.shards
+    def _grad_arrays(self) -> dict:
+        """The completed minibatch's gradients as jax arrays. grad_view is asked every minibatch
+        (the runtime may finish its accumulation there); where jax can alias its memory, the
+        zero-copy arrays made the first time are reused while the views stay where they were
+        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
+        views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
+        if self.grad_exchange is not None:
+            return {n: jax.device_put(g) for n, g in self.grad_exchange(views, self._global_tokens).items()}
+        if self._grads is not None and all(_aliases(self._grads[n], g) for n, g in views.items()):
+            return self._grads
+        grads = {n: jax.device_put(g) for n, g in views.items()}
+        if self._masters is not None and all(_aliases(grads[n], views[n]) for n in grads):
+            self._grads = grads
+        return grads
+
+    def _end(self, v: int, loss: float, global_tokens: float) -> float:
+        """The end of runtime minibatch v, after wait_complete(v): one exchange of the loss, the
+        token count and the optimizer's partial sums (EndStep; an exchange per further level of
+        sites that read other sites), one optimizer program, then version v + 1 published.
+        Returns the global loss."""
+        end, grads = self.end, self._grad_arrays()
+        leaves = jax.tree_util.tree_leaves(self.opt_state)
+        known = [None] * len(end.sites)
+        head = np.array([loss, global_tokens], np.float64)
+        rows = None
+        for k in range(end.rounds):
+            part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
+            got = self.rt.allgather(v, np.concatenate([head, part]) if k == 0 else part)
+            if k == 0:
+                rows, got = got[:, :2], got[:, 2:]
+            end.split(k, got.sum(axis=0), known)
+        out = end.apply(self.shards, leaves, grads, end.fill(known))
+        if self._masters is not None:
+            new_leaves, token = out
+            jax.block_until_ready(token)  # every unit's new shard is in its master
+        else:
+            shards, new_leaves = out
+            jax.block_until_ready(shards)
+        self.opt_state = end.state_tree(new_leaves)
+        # The gradients are cleared before the next version is announced: peers push into them
+        # right after.
+        for u in self.layout.units:
+            self.rt.clear_grad(u.index)
+        if self._masters is not None:
+            for u in self.layout.units:
+                self.rt.publish_in_place(u.index, v + 1)
+        else:
+            self._publish(shards, v + 1)
+        if rows is None:  # no global reduction: the exchange after publishing, off peers' path
+            rows = self.rt.allgather(v, head)
+        if np.any(rows[:, 1] != global_tokens):
+            raise ValueError(f"rank {self.rank}: ranks were given different global token counts for minibatch "
+                             f"{v + self._rt_base}: " + ", ".join(f"rank {r}: {t:g}" for r, t in enumerate(rows[:, 1])))
+        return float(np.sum(rows[:, 0]))
+
+    def warm_end(self) -> None:
+        """Compiles and runs the end-of-minibatch programs once (benchmarks: before timing) on this
+        minibatch's accumulated gradients, which it then drops, and on a copy of the optimizer
+        state; shards and state stay as they were (masters written in place are restored). Call
+        between wait_complete(v) and the publication of v + 1; it exchanges nothing."""
+        end, grads, saved = self.end, self._grad_arrays(), self.local_shards()
+        leaves = [jnp.copy(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+        shards = self.shards if self._masters is not None else {n: jnp.copy(a) for n, a in self.shards.items()}
+        fed = end.fill([None] * len(end.sites))
+        for k in range(end.rounds):
+            jax.block_until_ready(end.partials(k, shards, leaves, grads, fed))
+        jax.block_until_ready(end.apply(shards, leaves, grads, fed))
+        if self._masters is not None:
+            for u in self.layout.units:
+                np.copyto(self._masters[u.index], saved[u.name])
+        for u in self.layout.units:
+            self.rt.clear_grad(u.index)
 
     def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float,
                         sample_ids: Sequence[tuple[int, ...]] | None = None) -> StepResult:
@@ -320,23 +369,14 @@ class OdcTrainer(ShardedTrainer):
         # Before any v + 1 publication: peers push the next minibatch's state right after it.
         state_sum = None if self._state_unit is None else self.rt.fetch_grad(self._state_unit)
         t0 = time.perf_counter()
-        # The gradients are read where they accumulated (no copy on the CPU backend) ...
-        grads = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
-        if self.grad_exchange is not None:
-            grads = self.grad_exchange(grads, global_tokens)
-        grads = {n: jax.device_put(g) for n, g in grads.items()}
-        shards = self._optimize(grads, ver)
-        del grads
-        # ... and cleared before the next version is announced: peers push into them right after.
-        for u in self.layout.units:
-            self.rt.clear_grad(u.index)
-        self._publish(shards, v + 1)
+        self._global_tokens = global_tokens
+        res.loss = self._end(v, loss, global_tokens)
         if state_sum is not None:
             self.rt.publish(self._state_unit, state_sum, v + 1)
             new = self.program.state.updated(self.consts, self.rt.gather(self._state_unit, v + 1))
             self.consts = tuple(jnp.asarray(c) for c in new)
         res.opt = (t0, time.perf_counter())
-        res.loss = float(np.sum(self.rt.allgather_scalar(v, loss)))
+        res.end_s = res.opt[1] - res.opt[0]
         res.t_end, res.cpu = time.perf_counter(), time.process_time() - cpu0
         self.version = step + 1
         return res
@@ -366,6 +406,8 @@ class OdcTrainer(ShardedTrainer):
 
     def local_shards(self) -> dict[str, np.ndarray]:
         # Copies: the shards may be the runtime's masters, which the next minibatch rewrites.
+        if self._masters is not None:
+            return {u.name: np.array(self._masters[u.index], np.float32) for u in self.layout.units}
         return {n: np.array(a, np.float32) for n, a in self.shards.items()}
 
     def local_opt_state(self):

@@ -27,9 +27,12 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.extend.core import Literal
 
+from jaxodc.optim.clipping import global_reduction
 from jaxodc.train.core import optimizer_updates
 
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # eqn params holding a called jaxpr (jit, custom_jvp/vjp, remat)
@@ -106,18 +109,11 @@ class UnitwiseOptimizer:
                 + [("grad", n) for n in flat_names] + [("version", None)])
         deps = output_deps(closed.jaxpr, [frozenset([t]) for t in tags])
         upd_paths = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
-        n_upd = len(upd_paths)
         self.reason = None
         if len(upd_paths) != len(self.names) or set(upd_paths) != set(self.names) or len(out_shape[1]) != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
-        for i, d in enumerate(deps if self.reason is None else ()):
-            unit = upd_paths[i] if i < n_upd else self._state_unit[i - n_upd]
-            if unit is None:
-                continue  # shared state: computed in the first call, from untouched inputs
-            bad = sorted(f"{k} {u}" for k, u in d if (k in ("shard", "state") and u not in (unit, None)))
-            if bad and self.reason is None:
-                what = f"unit {unit!r}'s " + ("updates" if i < n_upd else "state")
-                self.reason = f"{what} depend on other units' parameters or state ({', '.join(bad[:4])})"
+        else:
+            self.reason = _separability(deps, upd_paths, self._state_unit)
         self.separable = self.reason is None
         self._steps = {}
 
@@ -171,3 +167,191 @@ class UnitwiseOptimizer:
         for i, x in new_shared or []:
             leaves[i] = x
         return jax.tree_util.tree_unflatten(self._state_def, leaves)
+
+
+def _separability(deps, upd_units: Sequence[str], state_units: Sequence[str | None]) -> str | None:
+    """Why the outputs (the updates, one per unit, then the state leaves) cannot run per unit, or
+    None: each unit's outputs may depend on its own shard and state, shared state and anything
+    global (gradients, fed values), never another unit's shard or state."""
+    n_upd = len(upd_units)
+    for i, d in enumerate(deps):
+        unit = upd_units[i] if i < n_upd else state_units[i - n_upd]
+        if unit is None:
+            continue  # shared state: computed in the first unit's part, from untouched inputs
+        bad = sorted(f"{k} {u}" for k, u in d if k in ("shard", "state") and u not in (unit, None))
+        if bad:
+            what = f"unit {unit!r}'s " + ("updates" if i < n_upd else "state")
+            return f"{what} depend on other units' parameters or state ({', '.join(bad[:4])})"
+    return None
+
+
+class EndStep:
+    """The optimizer's end of a minibatch as two kinds of compiled programs over this rank's
+    shards, with every global reduction the optimizer makes exchanged between them.
+
+    Where the reductions are: every cross-rank reduction an optimizer makes goes through
+    `jaxodc.optim.clipping.global_sum` (the documented hook; `clip_by_global_norm` and any custom
+    transform that needs a global quantity call it). A call's argument is this rank's partial sum
+    and its result the sum over ranks. The hook, not a search of the jaxpr for reduction
+    primitives, is what marks a site: a `jnp.sum` over a local shard is an ordinary local
+    reduction (it may be meant per rank), and only the optimizer knows which sums are global. The
+    jaxpr does decide the rest: the sites are the hook's calls while the update is traced (in
+    order), and `output_deps` finds which sites' partial sums depend on other sites' results
+    (`levels`: 0 = computable from the gradients, shards and state alone).
+
+    The programs:
+      `partials(k, ...)`: the partial sums of the sites of level k, one float32 vector (the
+        update traced with the hook recording its arguments; the rest is dead code). The caller
+        sums every rank's vectors (one exchange per level: one in all for independent sites,
+        e.g. clipping's norm, and none for elementwise optimizers).
+      `apply(...)`: the whole update with the hook returning the fed sums, as one program. With a
+        `store` (ODC's in-place masters, `jaxodc.ops.odc_store_master`) each unit's new shard is
+        written where it lives from inside the program, unit after unit: when the update is
+        separable (see `_separability`; adam, adamw, sgd, clipping with its norm fed in) every
+        unit's part of the update is ordered after the previous unit's store, so one unit's new
+        shard and temporaries are alive at a time, as `UnitwiseOptimizer`'s calls were, but in one
+        program with no host callback. Without a store it returns the new shards (donated).
+
+    Args:
+      optimizer: any Optax transformation.
+      shards: the local shards {unit: array or ShapeDtypeStruct}.
+      opt_state: its state for them.
+      store: (unit name, new fp32 shard, token) -> token, or None.
+      token: () -> the first token (store's).
+    """
+
+    def __init__(self, optimizer: optax.GradientTransformation, shards: dict, opt_state, *,
+                 store: Callable | None = None, token: Callable | None = None):
+        self.optimizer, self.names = optimizer, tuple(shards)
+        names = frozenset(self.names)
+        spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
+        paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
+        self._state_unit = [_unit_of(p, names) for p, _ in paths]
+        self._store, self._token = store, token
+        sh, leaves = spec(shards), [x for _, x in paths]
+        # The sites: the hook's calls while the update is traced.
+        found = []
+        with global_reduction(lambda x: (found.append(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)), x)[1]):
+            jax.eval_shape(lambda s, st, g: self.optimizer.update(g, st, s), sh,
+                           jax.tree_util.tree_unflatten(self._state_def, leaves), sh)
+        self.sites = found
+        self._sizes = [int(np.prod(s.shape)) for s in found]
+        red = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in found]
+        closed, out_shape = jax.make_jaxpr(self._update, return_shape=True)(sh, leaves, sh, red)
+        flat_names = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(sh)[0]]
+        tags = ([("shard", n) for n in flat_names] + [("state", u) for u in self._state_unit]
+                + [("grad", n) for n in flat_names] + [("reduced", i) for i in range(len(red))])
+        deps = output_deps(closed.jaxpr, [frozenset([t]) for t in tags])
+        n_upd, n_state = len(jax.tree_util.tree_leaves(out_shape[0])), len(out_shape[1])
+        levels = []
+        for d in deps[n_upd + n_state:]:  # a site's level: one more than the deepest site it reads
+            levels.append(max((levels[i] + 1 for k, i in d if k == "reduced"), default=0))
+        self.levels, self.rounds = levels, (max(levels) + 1 if levels else 0)
+        upd_units = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
+        if len(upd_units) != len(self.names) or set(upd_units) != names or n_state != len(paths):
+            self.reason = "the updates are not one array per unit, or the state changed structure"
+        else:
+            self.reason = _separability(deps[:n_upd + n_state], upd_units, self._state_unit)
+        self.separable = self.reason is None
+        self._partials = {}
+        self._apply = jax.jit(self._apply_fn, donate_argnums=(1,) if store is not None else (0, 1))
+
+    def _update(self, shards, state_leaves, grads, reduced):
+        """(updates, new state leaves, the sites' arguments): the hook's i-th call returns
+        reduced[i] (the sum over ranks, fed in) and records its argument (this rank's part)."""
+        calls = []
+
+        def site(x):
+            i = len(calls)
+            if i >= len(reduced):
+                raise ValueError(f"the optimizer made more global reductions ({i + 1}) than when it was first "
+                                 f"traced ({len(reduced)}): its global_sum calls must not depend on values")
+            calls.append(x)
+            return jnp.reshape(reduced[i], jnp.shape(x)).astype(x.dtype)
+
+        state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
+        with global_reduction(site):
+            upd, new = self.optimizer.update(grads, state, shards)
+        return upd, jax.tree_util.tree_leaves(new), calls
+
+    def fill(self, known: Sequence) -> list:
+        """The fed values: `known[i]` (the sum of site i over ranks) where known, zeros elsewhere
+        (sites of later levels, which nothing of an earlier level reads)."""
+        return [np.zeros(s.shape, s.dtype) if k is None else np.asarray(k, s.dtype).reshape(s.shape)
+                for s, k in zip(self.sites, known)]
+
+    def partials(self, level: int, shards: dict, state_leaves, grads: dict, reduced: Sequence) -> jax.Array:
+        """This rank's partial sums of the sites of `level`, concatenated (float32)."""
+        return self._partials_program(level)(shards, list(state_leaves), grads, list(reduced))
+
+    def _partials_program(self, level: int):
+        if level not in self._partials:
+            mine = [i for i, lv in enumerate(self.levels) if lv == level]
+
+            def fn(shards, leaves, grads, reduced):
+                calls = self._update(shards, leaves, grads, reduced)[2]
+                return jnp.concatenate([jnp.ravel(calls[i]).astype(jnp.float32) for i in mine])
+
+            self._partials[level] = jax.jit(fn)
+        return self._partials[level]
+
+    def split(self, level: int, total: np.ndarray, known: list) -> None:
+        """Writes the summed vector of `level` into `known` (site by site)."""
+        at = 0
+        for i, lv in enumerate(self.levels):
+            if lv == level:
+                known[i] = total[at:at + self._sizes[i]]
+                at += self._sizes[i]
+
+    @property
+    def partial_size(self) -> list[int]:
+        """Elements of each level's vector."""
+        return [sum(n for n, lv in zip(self._sizes, self.levels) if lv == k) for k in range(self.rounds)]
+
+    def state_tree(self, leaves) -> Any:
+        """The optimizer state from its leaves."""
+        return jax.tree_util.tree_unflatten(self._state_def, leaves)
+
+    def _apply_fn(self, shards, state_leaves, grads, reduced):
+        if self._store is None:
+            upd, new, _ = self._update(shards, state_leaves, grads, reduced)
+            return optax.apply_updates(shards, upd), new
+        token = self._token()
+        if not self.separable:  # whole-tree updates, then the stores in order
+            upd, new, _ = self._update(shards, state_leaves, grads, reduced)
+            for name in self.names:
+                token = self._store(name, optax.apply_updates(shards[name], upd[name]), token)
+            return new, token
+        out = [None] * len(state_leaves)
+        for j, name in enumerate(self.names):
+            # The whole update traced once per unit, all but this unit's outputs dead code. Its
+            # own inputs (state, shard, gradient) pass a barrier with the previous store's token,
+            # so nothing of this unit is computed before that store; only they do, so the donated
+            # state of stored units is never read again and is updated in place.
+            mine = [i for i, u in enumerate(self._state_unit) if u == name]
+            leaves, sh, g = list(state_leaves), dict(shards), dict(grads)
+            if j:
+                own, sh[name], g[name], token = jax.lax.optimization_barrier(
+                    ([state_leaves[i] for i in mine], shards[name], grads[name], token))
+                for i, x in zip(mine, own):
+                    leaves[i] = x
+            upd, new, _ = self._update(sh, leaves, g, reduced)
+            for i, u in enumerate(self._state_unit):
+                if u == name or (u is None and j == 0):  # shared state (counts): the first unit's
+                    out[i] = new[i]
+            token = self._store(name, optax.apply_updates(sh[name], upd[name]), token)
+        return out, token
+
+    def apply(self, shards: dict, state_leaves, grads: dict, reduced: Sequence):
+        """With a store: (new state leaves, the last store's token; the shards written in place);
+        without: (new shards, new state leaves). The state leaves are donated (and the shards,
+        without a store)."""
+        return self._apply(shards, list(state_leaves), grads, list(reduced))
+
+    def programs(self, shards: dict, state_leaves, grads: dict):
+        """(name, jitted program, its arguments) of one end of a minibatch, for compiled-memory
+        reports (nothing runs)."""
+        reduced = self.fill([None] * len(self.sites))
+        for k in range(self.rounds):
+            yield f"partials{k}", self._partials_program(k), (shards, list(state_leaves), grads, reduced)
+        yield "apply", self._apply, (shards, list(state_leaves), grads, reduced)
