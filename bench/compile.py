@@ -31,8 +31,8 @@ def measure(layers: int, d_model: int, tokens: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from jaxodc.models.llama import Llama, LlamaConfig
-    from jaxodc.train.adapters import linen_loss_fn
-    from jaxodc.train.program import program_of
+    from jaxodc.modeling.adapters import linen_loss_fn
+    from jaxodc.modeling.program import program_of
 
     cfg = LlamaConfig(n_layers=layers, d_model=d_model, ffn=2 * d_model, vocab=64, scan_axis=1, tie_embeddings=True)
     batch = {"tokens": np.ones((1, tokens), np.int32), "targets": np.ones((1, tokens), np.int32),

@@ -71,7 +71,7 @@ def held_out_loss(targs, shards: list[dict], n: int = 64) -> float:
     from jaxodc.balance.packing import loss_tokens, pack
     from jaxodc.cli.train import model_of
     from jaxodc.data import synthetic_text
-    from jaxodc.train.program import program_of
+    from jaxodc.modeling.program import program_of
     model, params = model_of(targs)
     program = program_of(model, params, targs.ranks)
     full = program.unshard([{k: np.asarray(v, np.float32) for k, v in s.items()} for s in shards])

@@ -54,7 +54,7 @@ def _status_bytes(key: str) -> int:
 def rank_main(a) -> int:
     """One rank: set up (headers, layout), signal ready, wait for go, load its shards, report."""
     from jaxodc.modeling.hf_load import load_hf
-    from jaxodc.train.discover import discover_units
+    from jaxodc.modeling.discover import discover_units
     ck = load_hf(a.dir)
     layout = discover_units(ck.abstract_params(), a.world).layout  # the trainers' default units
     open(os.path.join(a.sync, f"ready{a.rank}"), "w").close()

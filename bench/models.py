@@ -105,7 +105,7 @@ def llama(tiny: bool = False) -> Case:
     import jax
     import jax.numpy as jnp
     from jaxodc.models.llama import Llama, LlamaConfig
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     cfg = (LlamaConfig(vocab=64, d_model=32, n_layers=3, ffn=64, scan_axis=1, tie_embeddings=True) if tiny else
            LlamaConfig(vocab=256, d_model=192, n_layers=3, ffn=768, scan_axis=1, tie_embeddings=True))
     batch = _tokens(cfg.vocab)
@@ -117,7 +117,7 @@ def nnx_mlp(tiny: bool = False) -> Case:
     import jax.numpy as jnp
     from flax import nnx
     from jaxodc.models.nnx_mlp import Classifier
-    from jaxodc.train.adapters import nnx_loss_fn
+    from jaxodc.modeling.adapters import nnx_loss_fn
     d_in, width = (8, 16) if tiny else (64, 512)
     loss_fn, tree = nnx_loss_fn(Classifier(d_in, width, rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b)))
     return Case(loss_fn, tree, _features(d_in, 5), _samples, 4, {"frozen": ("state/*",)})
@@ -132,7 +132,7 @@ def cnn(tiny: bool = False) -> Case:
     import jax.numpy as jnp
     from sklearn.datasets import load_digits
     from jaxodc.models.cnn import CNN
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     model = CNN(features=(4, 8) if tiny else (128, 256, 256))
     digits = load_digits()
     x, y = np.asarray(digits.data, np.float32).reshape(-1, 8, 8, 1) / 16.0, np.asarray(digits.target, np.int32)
@@ -403,8 +403,8 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     import jaxodc
     from jaxodc.bench.train_memory import _nbytes, accounted, program_activations
     from jaxodc.optim.clipping import clip_by_global_norm
-    from jaxodc.train.precision import compute_dtype_of
-    from jaxodc.train.program import program_of
+    from jaxodc.modeling.precision import compute_dtype_of
+    from jaxodc.modeling.program import program_of
 
     W, counts = ctx.world, [args.microbatches] * ctx.world
     example = case.batch(0, 0, 0, case.size)

@@ -220,7 +220,7 @@ def train_worker(args) -> None:
     from jaxodc.data import synthetic_text
     from jaxodc.odc import Runtime
     from jaxodc.balance.packing import bucket
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     from jaxodc.models.lm import LM, LMConfig
     from jaxodc.train.straggle import parse_straggle
 

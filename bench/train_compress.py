@@ -66,7 +66,7 @@ def worker(args) -> None:
     from jaxodc.odc import Link, Runtime
     from jaxodc.train.collective import CollectiveTrainer
     from jaxodc.train.odc import OdcTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
 
     ctx = init_from_env()
     init_jax_distributed(ctx)

@@ -149,7 +149,7 @@ def activation_bytes(model, params_shape, tokens: int, compute_dtype=None) -> di
     """Activations of one microbatch of `tokens` tokens of a unit-staged model (program_activations
     with packed token rows of `tokens` and of 1 token)."""
     from jaxodc.balance.packing import pack
-    from jaxodc.train.program import staged_program
+    from jaxodc.modeling.program import staged_program
     return program_activations(staged_program(model, params_shape, 1), pack([], tokens).as_dict(),
                                pack([], 1).as_dict(), compute_dtype)
 
@@ -192,7 +192,7 @@ def worker(args) -> int:
     from jaxodc.data import synthetic_text
     from jaxodc.odc import Runtime
     from jaxodc.balance.packing import pack
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     from jaxodc.models.lm import LM, LMConfig
 
     ctx = init_from_env()
@@ -205,7 +205,7 @@ def worker(args) -> int:
     params = model.init(jax.random.PRNGKey(args.seed))
     layout = make_layout(params, W, order=model.unit_names)
     shape = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    from jaxodc.train.precision import compute_dtype_of
+    from jaxodc.modeling.precision import compute_dtype_of
     act = activation_bytes(model, shape, T, compute_dtype_of(args.precision))
     optimizer = _optimizer(args.lr)
     unsharded = unsharded_peak(model, shape, optimizer, T)

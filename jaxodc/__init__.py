@@ -18,7 +18,7 @@ _PUBLIC = {
     "Trainer": "jaxodc.train.api",
     "sharded_step": "jaxodc.train.api",
     "ShardedStep": "jaxodc.train.api",
-    "MixedPrecision": "jaxodc.train.precision",
+    "MixedPrecision": "jaxodc.modeling.precision",
     "ShardedTrainer": "jaxodc.train.core",
     "StepResult": "jaxodc.train.core",
     "ConfigMismatchError": "jaxodc.train.core",
@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from jaxodc.train.checkpoint import CheckpointError
     from jaxodc.train.core import ConfigMismatchError, ShardedTrainer, StepResult
     from jaxodc.train.metrics import MinibatchRecord
-    from jaxodc.train.precision import MixedPrecision
+    from jaxodc.modeling.precision import MixedPrecision
 
 
 def __getattr__(name):

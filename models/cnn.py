@@ -7,7 +7,7 @@ batch = {"x": [B, H, W, C] float, "y": [B] int labels, "mask": [B] float (0: a p
 with the statistics of the microbatch's real images (padding slots excluded) and updates
 `batch_stats`: train it through `linen_loss_fn(CNN(), loss, mutable=("batch_stats",))`; the sharded
 trainers make the minibatch's new statistics the image-weighted mean of its microbatches' (see
-jaxodc/train/state.py).
+jaxodc/modeling/state.py).
 """
 from __future__ import annotations
 

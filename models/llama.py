@@ -1,7 +1,7 @@
 """A decoder LM written the usual Flax linen way, not in the unit protocol: RMSNorm, rotary
 positions, SwiGLU MLP, grouped-query attention, layers stacked with `nn.scan` (optionally under
 `nn.remat`), an optional tied embedding / LM head and dropout. jaxodc trains it unchanged through
-jaxodc.train.adapters.linen_loss_fn + discover + gather_on_use (units found from the parameter tree,
+jaxodc.modeling.adapters.linen_loss_fn + discover + gather_on_use (units found from the parameter tree,
 the scan-stacked layers sliced per layer).
 
 Batch: the packing arrays of jaxodc.balance.packing (tokens, targets, segment_ids, positions,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from jaxodc.ops.attention import IMPLS, segment_attention
-from jaxodc.train.units import StagedModel
+from jaxodc.modeling.units import StagedModel
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from jaxodc.train.units import StagedModel
+from jaxodc.modeling.units import StagedModel
 
 
 class _Layer(nn.Module):

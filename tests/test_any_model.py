@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxodc.train.adapters import frozen_collections, linen_loss_fn, nnx_loss_fn
-from jaxodc.train.discover import const_leaves, discover_units, shard_tree, unshard_tree, unit_leaves, assemble
-from jaxodc.train.gather_on_use import gather_on_use, microbatch_grad_any, plan_for, scanned_axes
+from jaxodc.modeling.adapters import frozen_collections, linen_loss_fn, nnx_loss_fn
+from jaxodc.modeling.discover import const_leaves, discover_units, shard_tree, unshard_tree, unit_leaves, assemble
+from jaxodc.modeling.gather_on_use import gather_on_use, microbatch_grad_any, plan_for, scanned_axes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -305,9 +305,9 @@ TWO_RANKS = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxodc.train.collective import collective_gather
-    from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
-    from jaxodc.train.gather_on_use import gather_on_use, plan_for
-    from jaxodc.train.adapters import frozen_collections
+    from jaxodc.modeling.discover import const_leaves, shard_tree, unshard_tree
+    from jaxodc.modeling.gather_on_use import gather_on_use, plan_for
+    from jaxodc.modeling.adapters import frozen_collections
     import test_any_model as t
 
     W = 2
@@ -346,9 +346,9 @@ MEMORY = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxodc.train.collective import collective_gather
-    from jaxodc.train.discover import discover_units, assemble
-    from jaxodc.train.units import unflatten_unit
-    from jaxodc.train.gather_on_use import gather_on_use
+    from jaxodc.modeling.discover import discover_units, assemble
+    from jaxodc.modeling.units import unflatten_unit
+    from jaxodc.modeling.gather_on_use import gather_on_use
 
     def list_loss(p, x):  # a Python list of layers: one unit each
         for w in p["layers"]:

@@ -25,7 +25,7 @@ def optimizer():
 
 def llama_case():
     from jaxodc.models.llama import Llama, LlamaConfig
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     cfg = LlamaConfig(n_layers=3, d_model=32, ffn=64, vocab=50, scan_axis=1, tie_embeddings=True)
     loss_fn = linen_loss_fn(Llama(cfg), lambda apply, b: jnp.sum(apply(b)))
 
@@ -44,7 +44,7 @@ def llama_case():
 def nnx_case():
     from flax import nnx
     from jaxodc.models.nnx_mlp import Classifier
-    from jaxodc.train.adapters import nnx_loss_fn
+    from jaxodc.modeling.adapters import nnx_loss_fn
     loss_fn, tree = nnx_loss_fn(Classifier(rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b)))
 
     def batch(step, rank, j):
@@ -66,7 +66,7 @@ def plain_case():
 
 def cnn_case():
     from jaxodc.models.cnn import CNN
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     model = CNN(features=(4, 8))
     loss_fn = linen_loss_fn(model, lambda apply, b: jnp.sum(apply(b)), mutable=("batch_stats",))
     x = np.asarray(load_digits_cached()[0], np.float32).reshape(-1, 8, 8, 1) / 16.0
@@ -110,7 +110,7 @@ def nnx_bn_model():
 
 def nnx_bn_case():
     from flax import nnx
-    from jaxodc.train.adapters import nnx_loss_fn
+    from jaxodc.modeling.adapters import nnx_loss_fn
     loss_fn, tree = nnx_loss_fn(nnx_bn_model(), lambda m, b: m(b), rngs=("dropout",), mutable=nnx.BatchStat)
 
     def batch(step, rank, j):

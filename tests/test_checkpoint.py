@@ -60,7 +60,7 @@ def _logical(tr, snap):
     """A snapshot in layout-free form: every unit's parameters and shard-shaped optimizer leaves
     as their leaves (gathered from every rank), then the other optimizer leaves; collective."""
     from jaxodc.train.checkpoint import _shard_leaf_units
-    from jaxodc.train.units import leaf_views
+    from jaxodc.modeling.units import leaf_views
     shards, leaves = snap
     units = _shard_leaf_units(tr.local_opt_state(), tr.layout)
     names = list(tr.layout.names) + [u for u in units if u]

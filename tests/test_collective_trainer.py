@@ -122,7 +122,7 @@ def test_collective_matches_reference(tmp_path):
     from jaxodc.train.core import microbatches_for, plan_global_tokens
     from jaxodc.data import Samples
     from jaxodc.train.reference import ReferenceTrainer
-    from jaxodc.train.units import make_layout, unshard_params
+    from jaxodc.modeling.units import make_layout, unshard_params
 
     wait = _spawn(tmp_path)
     try:
@@ -370,7 +370,7 @@ def test_odc_driver_matches_reference(tmp_path):
     from jaxodc.balance.packing import pack
     from jaxodc.train.reference import ReferenceTrainer
     from jaxodc.train.core import plan_global_tokens
-    from jaxodc.train.units import make_layout, unshard_params
+    from jaxodc.modeling.units import make_layout, unshard_params
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "support")]),
                XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
@@ -423,9 +423,9 @@ def _memory_worker(out: str) -> None:
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxodc.models.lm import LM, LMConfig
     from jaxodc.train.collective import AXIS, collective_gather
-    from jaxodc.train.core import microbatch_grad
+    from jaxodc.modeling.staging import microbatch_grad
     from jaxodc.balance.packing import pack
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     mesh = Mesh(np.array(jax.devices()[:W]), (AXIS,))
     res = {}
     for layers in (2, 4):

@@ -34,7 +34,7 @@ EF_CASE = ("ef", 3, 250, ((3, 240),), 0.25, 0.3, 5, 4)  # error feedback over se
 
 
 def _spec(name, world, numel):
-    from jaxodc.train.units import UnitSpec
+    from jaxodc.modeling.units import UnitSpec
     return UnitSpec(name, 0, ("w",), ((numel,),), ("float32",), None, numel, -(-numel // world) * world, world)
 
 
@@ -221,7 +221,7 @@ def trainer_body(ctx):
     from jaxodc.compress.policy import Compression
     from jaxodc.models.mlp import MLP
     from jaxodc.train.collective import CollectiveTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     model = MLP(SIZES)
     params = model.init(jax.random.PRNGKey(0))
     layout = make_layout(params, TW, order=model.unit_names)

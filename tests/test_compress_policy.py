@@ -4,7 +4,7 @@ import pytest
 
 from jaxodc.compress import Compression, parse_compression, setting_of, tracking_plan
 from jaxodc.models.lm import LM, LMConfig
-from jaxodc.train.units import make_layout
+from jaxodc.modeling.units import make_layout
 
 
 @pytest.fixture(scope="module")

@@ -162,7 +162,7 @@ def test_end_of_minibatch_matches_reference(world):
     from jaxodc.data import Samples
     from jaxodc.train.core import plan_global_tokens
     from jaxodc.train.reference import ReferenceTrainer
-    from jaxodc.train.units import unshard_params
+    from jaxodc.modeling.units import unshard_params
 
     results = run_ranks(trainers_body, world, timeout_s=600)
     model, params, samples, mbs, n = _setup(world)

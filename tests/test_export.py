@@ -46,7 +46,7 @@ def export_body(ctx, root):
     import jax
     import optax
     import jaxodc
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     from jaxodc.train.export import export, full_params
 
     out = {}

@@ -18,7 +18,7 @@ from jaxodc.modeling.hf_load import load_hf
 from jaxodc.modeling.llama import plain_batch
 from jaxodc.modeling.safetensors_io import CheckpointError
 from jaxodc.modeling.synthetic import tiny_config, write_checkpoint
-from jaxodc.train.units import _path_str, flatten_unit
+from jaxodc.modeling.units import _path_str, flatten_unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -306,7 +306,7 @@ def test_truncated_error_names_the_tensor(tmp_path):
 def hf_case(d):
     """(loss_fn, full params, batch, count) of the checkpoint in `d`, as test_any_model_training's cases."""
     import jax.numpy as jnp
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     ck = load_hf(d)
     loss_fn = linen_loss_fn(ck.model, lambda apply, b: jnp.sum(apply(b)))
 

@@ -293,7 +293,7 @@ def trainer_body(ctx, link):
     from jaxodc.models.mlp import MLP
     from jaxodc.optim.clipping import clip_by_global_norm
     from jaxodc.train.collective import CollectiveTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     model = MLP(SIZES)
     params = model.init(jax.random.PRNGKey(0))
     opt = optax.chain(clip_by_global_norm(0.05), optax.adam(1e-3, eps=1e-6))  # the clip needs the all-sum

@@ -134,7 +134,7 @@ def test_bf16_training_tracks_fp32(comm, precision):
 # -- cast_inputs: the batch's float leaves in the compute dtype ------------------------------------
 
 def _program(stateful: bool):
-    from jaxodc.train.program import program_of
+    from jaxodc.modeling.program import program_of
     params = {"w": jnp.asarray(np.random.RandomState(0).standard_normal((3, 2)), jnp.float32),
               "stats": jnp.zeros(2, jnp.float32)}
     seen = []
@@ -156,7 +156,7 @@ def _program(stateful: bool):
 
 @pytest.mark.parametrize("stateful", [False, True])
 def test_float_inputs_cast_under_bf16_and_untouched_under_fp32(stateful):
-    from jaxodc.train.program import cast_inputs
+    from jaxodc.modeling.program import cast_inputs
     prog, params, batch, seen = _program(stateful)
     shards = {k: jnp.asarray(v) for k, v in prog.shard(params, 0).items()}
     for dtype in (jnp.bfloat16, jnp.float32):

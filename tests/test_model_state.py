@@ -1,4 +1,4 @@
-"""Mutable model state in the sharded trainers' programs (jaxodc/train/state.py), in process: which
+"""Mutable model state in the sharded trainers' programs (jaxodc/modeling/state.py), in process: which
 outputs count as state, the refusals (metrics, non-float leaves, a runtime without the state
 unit), the weighted sums, and an nnx BatchNorm model's state through the staged gradient. The
 trainers themselves, across ranks: tests/test_any_model_training.py (the linen CNN, an nnx
@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxodc.train.program import traced_program
-from jaxodc.train.state import ModelState, state_paths
+from jaxodc.modeling.program import traced_program
+from jaxodc.modeling.state import ModelState, state_paths
 
 
 def params():
@@ -71,7 +71,7 @@ class BNDropNet:
 
 def test_nnx_batch_stats_through_the_staged_gradient():
     from flax import nnx
-    from jaxodc.train.adapters import nnx_loss_fn
+    from jaxodc.modeling.adapters import nnx_loss_fn
     loss_fn, tree = nnx_loss_fn(BNDropNet.make(), lambda m, b: m(b), rngs=("dropout",), mutable=nnx.BatchStat)
     b = {"x": jax.random.normal(jax.random.key(1), (5, 3)), "mask": jnp.array([1.0, 1, 1, 0, 0]),
          "rng": jax.random.key(2)}
@@ -92,7 +92,7 @@ def test_nnx_batch_stats_through_the_staged_gradient():
 
 def test_count_fn_needs_state_and_the_odc_runtime_needs_the_state_unit():
     from jaxodc.models.cnn import CNN
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     from jaxodc.train.odc import OdcTrainer
     b = {"x": jnp.ones((2, 8, 8, 1)), "y": jnp.array([1, 2]), "mask": jnp.ones(2)}
     model = CNN(features=(2, 2))

@@ -54,7 +54,7 @@ def _lm():
 def _case(name: str, root: str):
     """(model or loss fn for Trainer, params, token_losses(params, batch), samples, task, grpo)."""
     from jaxodc.modeling.rl import GRPO, reference_logprobs
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     _, sft, roll, bare = _data(root)
     if name == "sft":
         llama, params = _llama()
@@ -159,7 +159,7 @@ def test_grpo_loss_and_gradient_equal_the_formula(tmp_path):
     import jax.numpy as jnp
     from jaxodc.balance.packing import pack
     from jaxodc.modeling.rl import ADVANTAGE, GRPO, OLD_LOGP, REF_LOGP
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     llama, params = _llama()
     _, _, roll, _ = _data(str(tmp_path))
     rng = np.random.default_rng(5)

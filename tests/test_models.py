@@ -5,9 +5,9 @@ import optax
 import pytest
 
 from jaxodc.optim.clipping import clip_by_global_norm, global_reduction
-from jaxodc.train.core import microbatch_grad, sharded_loss
+from jaxodc.modeling.staging import microbatch_grad, sharded_loss
 from jaxodc.balance.packing import pack
-from jaxodc.train.units import flatten_unit, make_layout, shard_params, unflatten_unit, unshard_params
+from jaxodc.modeling.units import flatten_unit, make_layout, shard_params, unflatten_unit, unshard_params
 from jaxodc.models.lm import LM, LMConfig
 from jaxodc.models.mlp import MLP
 

@@ -262,7 +262,7 @@ def trainer_body(ctx, transport):
     from jaxodc.odc import Runtime
     from jaxodc.train.core import ConfigMismatchError
     from jaxodc.train.odc import OdcTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
 
     model = LM(LMConfig(d_model=64, n_layers=1, n_heads=2))
     params = model.init(jax.random.PRNGKey(0))

@@ -48,7 +48,7 @@ def odc_body(ctx, balance):
     from jaxodc.odc import Runtime
     from jaxodc.optim.clipping import clip_by_global_norm
     from jaxodc.train.odc import OdcTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     model, params, samples, mbs = _setup()
     layout = make_layout(params, W, order=model.unit_names)
     rt = Runtime.create([u.padded for u in layout.units], ctx)
@@ -79,7 +79,7 @@ def test_odc_trainer_matches_reference(balance):
     from jaxodc.data import Samples
     from jaxodc.balance.packing import pack
     from jaxodc.train.reference import ReferenceTrainer
-    from jaxodc.train.units import make_layout, unshard_params
+    from jaxodc.modeling.units import make_layout, unshard_params
 
     results = run_ranks(odc_body, W, args=(balance,), timeout_s=240)
     model, params, samples, mbs = _setup()

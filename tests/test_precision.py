@@ -1,10 +1,10 @@
-"""The mixed precision policy (jaxodc.train.precision): its short names and specs, their
+"""The mixed precision policy (jaxodc.modeling.precision): its short names and specs, their
 canonical spelling (what ranks compare), and errors for bad ones."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxodc.train.precision import MixedPrecision, cast_inputs, precision_of
+from jaxodc.modeling.precision import MixedPrecision, cast_inputs, precision_of
 
 
 @pytest.mark.parametrize("text, policy, canonical", [

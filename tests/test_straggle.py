@@ -159,7 +159,7 @@ def odc_body(ctx):
     from jaxodc.data import Samples
     from jaxodc.odc import Runtime
     from jaxodc.train.odc import OdcTrainer
-    from jaxodc.train.units import make_layout
+    from jaxodc.modeling.units import make_layout
     model, params, samples, mbs = _setup()
     layout = make_layout(params, W, order=model.unit_names)
     rt = Runtime.create([u.padded for u in layout.units], ctx)
@@ -179,7 +179,7 @@ def test_odc_lb_steal_with_injection_trains_the_same_parameters():
     from jaxodc.data import Samples
     from jaxodc.train.core import plan_global_tokens
     from jaxodc.train.reference import ReferenceTrainer
-    from jaxodc.train.units import make_layout, unshard_params
+    from jaxodc.modeling.units import make_layout, unshard_params
     import optax
 
     results = run_ranks(odc_body, W, timeout_s=240)

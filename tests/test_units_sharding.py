@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxodc.train.units import (flat_from_pieces, flatten_unit, leaf_views, make_layout, shard_params,
+from jaxodc.modeling.units import (flat_from_pieces, flatten_unit, leaf_views, make_layout, shard_params,
                                 unflatten_unit, unshard_params)
 
 SHAPES = {"u": {"a": (3, 5), "b": (7,), "c": (2, 2, 2), "d": (1,)}, "v": {"w": (4, 4)}}
@@ -90,7 +90,7 @@ def test_per_leaf_is_its_own_layout():
 
 
 def test_discover_units_per_leaf():
-    from jaxodc.train.discover import discover_units, shard_tree, unshard_tree
+    from jaxodc.modeling.discover import discover_units, shard_tree, unshard_tree
     tree = {"layers_0": {"w": np.arange(15, dtype=np.float32).reshape(3, 5), "b": np.ones(3, np.float32)},
             "layers_1": {"w": np.arange(15, dtype=np.float32).reshape(3, 5) + 1, "b": np.zeros(3, np.float32)}}
     plan = discover_units(tree, 2, sharding="per_leaf")

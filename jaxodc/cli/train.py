@@ -49,7 +49,7 @@ TIMELINE_TITLE = "per-rank compute (bars) and idle (gaps) per minibatch"
 
 def _precision(text: str) -> str:
     """--precision's value, checked and in its canonical spelling (train.precision)."""
-    from jaxodc.train.precision import precision_of
+    from jaxodc.modeling.precision import precision_of
     try:
         return str(precision_of(text))
     except ValueError as e:
@@ -345,7 +345,7 @@ def model_of(args):
         return model, model.init(jax.random.PRNGKey(args.seed))
     from jaxodc.balance.packing import pack
     from jaxodc.models.llama import Llama, LlamaConfig
-    from jaxodc.train.adapters import linen_loss_fn
+    from jaxodc.modeling.adapters import linen_loss_fn
     cfg = LlamaConfig(vocab=vocab_of(args), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads or args.heads, ffn=4 * args.d_model)
     llama = Llama(cfg)
@@ -368,7 +368,7 @@ def image_model_of(args):
     example = pack([], args.max_tokens).as_dict()
     if args.model == "cnn":
         from jaxodc.models.cnn import CNN
-        from jaxodc.train.adapters import linen_loss_fn
+        from jaxodc.modeling.adapters import linen_loss_fn
         cnn = CNN()
         params = jax.jit(cnn.init)(jax.random.PRNGKey(args.seed), decode_images(example)[0])
 
@@ -379,7 +379,7 @@ def image_model_of(args):
     from flax import nnx
 
     from jaxodc.models.nnx_mlp import Classifier
-    from jaxodc.train.adapters import nnx_loss_fn
+    from jaxodc.modeling.adapters import nnx_loss_fn
 
     def nnx_loss(model, batch):
         images, weight = decode_images(batch)
@@ -424,7 +424,7 @@ def check_task_args(args) -> None:
         raise ValueError("--task grpo trains on one site (the --groups / --coord trainers take no GRPO objective)")
     if args.task == "grpo":
         grpo_of(args)
-        from jaxodc.train.precision import precision_of
+        from jaxodc.modeling.precision import precision_of
         p = precision_of(args.precision)
         if p.param_dtype != "fp32" and p.cast_inputs:
             raise ValueError("--task grpo with --precision bf16 needs bf16,keep_inputs (the advantages and "

@@ -31,7 +31,7 @@ from jaxodc.compress.policy import CompressionPlan
 from jaxodc.ops.sketch import ROWS, bitmap_words, sketch_build, sketch_peel, sketch_sparsify, sketch_width
 
 if TYPE_CHECKING:  # the trainers' layouts, only described here: compress sits below train
-    from jaxodc.train.units import UnitSpec
+    from jaxodc.modeling.units import UnitSpec
 
 __all__ = ["UnitExchange", "WireBytes", "compressed_reduce_scatter", "dense_wire_bytes", "or_scatter", "unit_exchange"]
 

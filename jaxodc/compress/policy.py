@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the trainers' layouts, only described here: compress sits below train
-    from jaxodc.train.units import Layout
+    from jaxodc.modeling.units import Layout
 
 
 # Path components that mark attention parameters (TAGC keeps them dense).

@@ -21,7 +21,7 @@ from jaxodc.modeling.hf_load import INDEX
 from jaxodc.modeling.llama import hf_name
 from jaxodc.modeling.safetensors_io import DTYPES, TORCH_DTYPES, create_file, layout_file, write_range
 from jaxodc.modeling.shard_pieces import owned_pieces
-from jaxodc.train.units import Layout
+from jaxodc.modeling.units import Layout
 
 DEFAULT_SHARD_BYTES = 5 << 30   # transformers' default max_shard_size
 

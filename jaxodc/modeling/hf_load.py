@@ -27,8 +27,8 @@ from jaxodc.modeling.hf_config import HFConfig, read_config
 from jaxodc.modeling.llama import LlamaForCausalLM, hf_name, plain_batch
 from jaxodc.modeling.safetensors_io import CheckpointError, TensorEntry, read_header, read_range
 from jaxodc.modeling.shard_pieces import owned_pieces
-from jaxodc.train.program import Program
-from jaxodc.train.units import Layout, _path_str
+from jaxodc.modeling.program import Program
+from jaxodc.modeling.units import Layout, _path_str
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -169,8 +169,8 @@ class HFCheckpoint:
         ranges. `loss(apply, batch)` is linen_loss_fn's (default: the sum of the per-token
         losses; `apply(batch, method="token_logprobs")` gives log-probabilities); it is traced on
         `example_batch` or an empty packed microbatch of `max_tokens`."""
-        from jaxodc.train.adapters import linen_loss_fn
-        from jaxodc.train.program import traced_program
+        from jaxodc.modeling.adapters import linen_loss_fn
+        from jaxodc.modeling.program import traced_program
         if example_batch is None:
             if max_tokens is None:
                 raise ValueError("program() needs max_tokens= (the packed row length) or example_batch=")

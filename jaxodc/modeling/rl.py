@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxodc.train.units import StagedModel
+from jaxodc.modeling.units import StagedModel
 
 ADVANTAGE, OLD_LOGP, REF_LOGP = "advantages", "old_logp", "ref_logp"
 FIELDS = (ADVANTAGE, OLD_LOGP, REF_LOGP)
@@ -71,7 +71,7 @@ class GRPO:
         return loss * mask
 
     def linen_loss(self, apply: Callable, batch) -> jax.Array:
-        """For jaxodc.train.adapters.linen_loss_fn(module, cfg.linen_loss): `apply(batch)` returns
+        """For jaxodc.modeling.adapters.linen_loss_fn(module, cfg.linen_loss): `apply(batch)` returns
         per-token cross entropy x loss_mask (models/llama.py); the summed GRPO loss."""
         return jnp.sum(self.token_loss(-apply(batch), batch))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxodc.train.units import UnitSpec
+from jaxodc.modeling.units import UnitSpec
 
 
 class Piece(NamedTuple):

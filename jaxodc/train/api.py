@@ -38,10 +38,10 @@ from jaxodc.train.core import ShardedTrainer, check_same, train_loop
 from jaxodc.train.odc import OdcTrainer
 from jaxodc.train.metrics import MinibatchRecord, summarize
 from jaxodc.balance.packing import pack
-from jaxodc.train.precision import MixedPrecision, precision_of
-from jaxodc.train.program import Program, program_of
+from jaxodc.modeling.precision import MixedPrecision, precision_of
+from jaxodc.modeling.program import Program, program_of
 from jaxodc.train.straggle import Straggle
-from jaxodc.train.units import Layout, StagedModel
+from jaxodc.modeling.units import Layout, StagedModel
 
 
 class UnitModel(StagedModel):
@@ -194,9 +194,9 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       fn: a model with `unit_names` / `apply_unit`; a per-unit function
         `fn(name, params, carry, batch) -> carry` (with `units`); or any
         `loss_fn(params, batch)` returning the microbatch's SUMMED loss, over any parameter pytree
-        (`jaxodc.train.adapters` makes one of a flax linen / nnx module): its units are discovered
+        (`jaxodc.modeling.adapters` makes one of a flax linen / nnx module): its units are discovered
         and each gathered where it is first used (`init` then needs `example_batch=`). It may
-        return (that, new state) for BatchNorm-like state (`jaxodc.train.state`: the minibatch's
+        return (that, new state) for BatchNorm-like state (`jaxodc.modeling.state`: the minibatch's
         new state is the count-weighted mean of its microbatches'). Omitted, `sharded_step` is a
         decorator.
       optimizer: any Optax transformation (clip with `jaxodc.clip_by_global_norm`).
@@ -206,7 +206,7 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
       unit_policy: for a loss function, `train.discover.discover_units`' options (units=,
         stacked=, frozen=, max_unit_bytes=), and with mutable state count_fn= (batch -> the
         microbatch's count; default the sum of batch["loss_mask"] or batch["mask"]).
-      precision: "fp32", "bf16" or a `MixedPrecision` (`jaxodc.train.precision`): FSDP2's mixed
+      precision: "fp32", "bf16" or a `MixedPrecision` (`jaxodc.modeling.precision`): FSDP2's mixed
         precision -- fp32 master shards and optimizer, units gathered and computed in bf16, the
         batch's float leaves cast to bf16, gradients sent in the reduce dtype (bf16 unless
         `MixedPrecision(reduce_dtype="fp32")` or "bf16,reduce=fp32") and summed in fp32.
@@ -261,7 +261,7 @@ class Trainer:
       model: a unit-staged model (`unit_names`, `apply_unit`, `init`), or a
         `loss_fn(params, batch)` over packed token microbatches (tokens, targets, segment_ids,
         positions, loss_mask; [1, max_tokens]) returning their summed loss (or (that, new
-        state): BatchNorm) -- e.g. a flax module through `jaxodc.train.adapters.linen_loss_fn` --
+        state): BatchNorm) -- e.g. a flax module through `jaxodc.modeling.adapters.linen_loss_fn` --
         with `params=`. Fixed-size samples (images) ride as fixed-length token samples
         (`jaxodc.data.load_digits` / `decode_images`).
       optimizer: any Optax transformation; it runs on the local shards.

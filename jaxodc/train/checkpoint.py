@@ -14,7 +14,7 @@ manifest.json::
                                                                         # units.UnitSpec.sharding
      "opt_state": {"treedef": "<str of the local state's jax treedef>",
                    "leaves": [[shape, dtype], ...]},                     # this rank's local leaves
-     "model_state": [[path, shape, dtype], ...],   # mutable model state (train/state.py); absent without
+     "model_state": [[path, shape, dtype], ...],   # mutable model state (modeling/state.py); absent without
      "files": [{"rank": r, "file": "rank<r>-<tag>.msgpack", "bytes": n, "crc32": c}, ...]}
 
 rank<r>-<tag>.msgpack, a msgpack map::
@@ -101,7 +101,7 @@ def _opt_description(opt_state) -> dict:
 
 def _model_state(trainer) -> tuple[list, list[np.ndarray]]:
     """The manifest's description and the host values of the trainer's mutable model state
-    (train/state.py), or ([], [])."""
+    (modeling/state.py), or ([], [])."""
     state = getattr(getattr(trainer, "program", None), "state", None)
     if state is None:
         return [], []
@@ -119,7 +119,7 @@ def _saved_layout(layout, saved: list[dict]):
     """The trainer's layout as the checkpoint cut it (its units' sharding and padding), when only
     that differs; else None."""
     import dataclasses
-    from jaxodc.train.units import Layout, SHARDINGS
+    from jaxodc.modeling.units import Layout, SHARDINGS
     if len(saved) != len(layout.units):
         return None
     units = []
@@ -331,7 +331,7 @@ def _load_rank(trainer, path: str):
 def _reshard(trainer, saved, shards: dict, treedef, leaves: list):
     """Every unit's shard and shard-shaped optimizer leaves, from the checkpoint's layout `saved`
     to the trainer's (module docstring); collective over ranks."""
-    from jaxodc.train.units import flat_from_pieces, leaf_views
+    from jaxodc.modeling.units import flat_from_pieces, leaf_views
     layout, world, rank = trainer.layout, trainer.world, trainer.rank
     moved = [i for i, u in enumerate(saved.units) if u.sharding != layout.units[i].sharding]
     if not moved:

@@ -20,12 +20,12 @@ from jaxodc.balance.plan import Plan
 from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_reduce_scatter, dense_wire_bytes,
                                         unit_exchange)
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
-from jaxodc.train.core import (GatherFn, ShardedTrainer, StepResult, microbatches_for,
-                               optimizer_step, plan_global_tokens)
-from jaxodc.train.precision import MixedPrecision, precision_of
-from jaxodc.train.program import program_of
+from jaxodc.train.core import ShardedTrainer, StepResult, microbatches_for, optimizer_step, plan_global_tokens
+from jaxodc.modeling.staging import GatherFn
+from jaxodc.modeling.precision import MixedPrecision, precision_of
+from jaxodc.modeling.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
-from jaxodc.train.units import flat_from_pieces
+from jaxodc.modeling.units import flat_from_pieces
 
 AXIS = "d"
 TRANSPORTS = ("gloo", "jaxodc")
@@ -174,7 +174,7 @@ def lockstep_gather(group, channels: dict[str, list[tuple[int, int, int]]]) -> G
     gradient comes back in float32.
 
     The forward pass's gather (the custom_vjp's primal) and the backward pass's re-gather (its fwd
-    rule, which core.remat_stage's backward runs) use separate channels: nothing orders them (the last
+    rule, which staging.remat_stage's backward runs) use separate channels: nothing orders them (the last
     unit's re-gather needs nothing from its forward), and calls on one channel must not overlap."""
     from jaxodc.ops.lockstep import lockstep_collective
 

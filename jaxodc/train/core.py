@@ -1,14 +1,10 @@
 """The FSDP core both sharded trainers share (comm="collective" in collective.py, comm="odc" in
-odc.py): unit stages, the microbatch gradient, the optimizer step on local shards, step results,
-the run-time checks every rank must agree on, and the minibatch loop.
+odc.py): the optimizer step on local shards, step results, the run-time checks every rank must
+agree on, and the minibatch loop.
 
-Parameters live only as fp32 shards per unit (units.py). One microbatch runs the model unit by unit;
-each unit's stage is `remat_stage(gather -> unflatten -> apply)`, so a unit is gathered right
-before its stage, dropped after it and gathered again in the backward pass (only a couple of
-gathered units are alive at once). `gather` is the only thing the communication mode changes.
-
-Loss of a microbatch = sum of per-token losses / global token count of the minibatch, so summing
-the microbatch gradients of all ranks gives the exact minibatch gradient however it was split.
+Parameters live only as fp32 shards per unit (jaxodc.modeling.units). One microbatch runs the model
+unit by unit (jaxodc.modeling.staging): each unit is gathered right before its stage, dropped after
+it and gathered again in the backward pass. `gather` is the only thing the communication mode changes.
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ from jaxodc.balance.packing import bucket, fields_of, loss_tokens, pack, sample_
 from jaxodc.balance.plan import Plan, make_plan, validate_run
 from jaxodc.optim.clipping import global_reduction
 from jaxodc.train.metrics import MinibatchRecord, Progress
-from jaxodc.train.units import Layout, UnitSpec, gathered_params
+from jaxodc.modeling.units import Layout, UnitSpec, gathered_params
 
 class ConfigMismatchError(ValueError):
     """Ranks were configured differently (the message names each field and every rank's value)."""
@@ -54,61 +50,6 @@ def check_same(allgather_bytes: Callable[[bytes], list[bytes]], config: Mapping[
             diffs.append(f"{key} (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals)) + ")")
     if diffs:
         raise error(f"rank {rank}: ranks disagree on the {what}: " + "; ".join(diffs))
-
-
-# gather(local_shard [Kp/W] fp32, spec, gather_arg) -> full unit [Kp], or the unit cut into its flat leaves
-# (spec.leaf_pieces()); differentiable, its VJP delivers the cotangent to the owners. gather_arg: per-call
-# traced data the comm needs (ODC: the version), or None.
-GatherFn = Callable[[jax.Array, UnitSpec, Any], jax.Array]
-
-
-def remat_stage(fn: Callable) -> Callable:
-    """fn(shard, carry, batch, gather_arg) -> carry, with FSDP memory semantics.
-
-    Like jax.checkpoint (only the stage inputs are kept for the backward pass; the gathered unit
-    is recomputed there), plus ordering: a gather depends only on a parameter shard, so XLA is
-    free to hoist every unit's gather to the start of the program (it does, on CPU), keeping all
-    gathered units alive at once. Optimization barriers tie the forward gather to the previous
-    stage's output and the backward re-gather to the incoming cotangent, so at most a couple of
-    gathered units are alive at any time."""
-
-    @jax.custom_vjp
-    def stage(shard, carry, batch, gather_arg):
-        shard, carry = jax.lax.optimization_barrier((shard, carry))
-        return fn(shard, carry, batch, gather_arg)
-
-    def fwd(shard, carry, batch, gather_arg):
-        return stage(shard, carry, batch, gather_arg), (shard, carry, batch, gather_arg)
-
-    def bwd(res, ct):
-        shard, carry, batch, gather_arg = res
-        shard, carry, ct = jax.lax.optimization_barrier((shard, carry, ct))
-        _, vjp = jax.vjp(lambda s, c: fn(s, c, batch, gather_arg), shard, carry)
-        d_shard, d_carry = vjp(ct)
-        zeros = lambda t: jax.tree_util.tree_map(
-            lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
-            else jnp.zeros_like(x), t)
-        return d_shard, d_carry, zeros(batch), zeros(gather_arg)
-
-    stage.defvjp(fwd, bwd)
-    return stage
-
-
-def sharded_loss(model, layout: Layout, gather: GatherFn, shards: dict, batch: dict, global_tokens,
-                 gather_arg=None) -> jax.Array:
-    """Loss of one microbatch from local shards: each unit gathered inside its own remat'd stage."""
-    carry = None
-    for spec in layout.units:
-        def stage(shard, carry, batch, gather_arg, spec=spec):
-            return model.apply_unit(spec.name, gathered_params(spec, gather(shard, spec, gather_arg)), carry, batch)
-
-        carry = remat_stage(stage)(shards[spec.name], carry, batch, gather_arg)
-    return jnp.sum(carry) / global_tokens
-
-
-def microbatch_grad(model, layout: Layout, gather: GatherFn):
-    """fn(shards, batch, global_tokens, gather_arg) -> (loss, grads w.r.t. local shards)."""
-    return jax.value_and_grad(lambda s, b, n, c: sharded_loss(model, layout, gather, s, b, n, c))
 
 
 def optimizer_updates(optimizer: optax.GradientTransformation, shards, opt_state, grads,

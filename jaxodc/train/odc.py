@@ -15,9 +15,10 @@ from jaxodc.balance.packing import bucket, fields_of, pack
 from jaxodc.balance.plan import Plan, iter_steal
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
-from jaxodc.train.core import GatherFn, ShardedTrainer, StepResult, plan_global_tokens
-from jaxodc.train.precision import MixedPrecision, precision_of
-from jaxodc.train.program import program_of
+from jaxodc.train.core import ShardedTrainer, StepResult, plan_global_tokens
+from jaxodc.modeling.staging import GatherFn
+from jaxodc.modeling.precision import MixedPrecision, precision_of
+from jaxodc.modeling.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
 from jaxodc.train.unitwise import EndStep
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxodc.balance.packing import loss_tokens, pack
 from jaxodc.cli.train import load_samples, model_of, parser
-from jaxodc.train.program import program_of
+from jaxodc.modeling.program import program_of
 from jaxodc.train.reference import ReferenceTrainer
 from jaxodc.optim.sites import site_minibatches
 

@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxodc.train.core import GatherFn, microbatch_grad
-from jaxodc.train.precision import cast_inputs
-from jaxodc.train.units import Layout, make_layout, shard_params, unshard_params
+from jaxodc.modeling.staging import GatherFn, microbatch_grad
+from jaxodc.modeling.precision import cast_inputs
+from jaxodc.modeling.units import Layout, make_layout, shard_params, unshard_params
 
 # (gather, compute dtype, cast=True) -> fn(shards, consts, batch, global_count, gather_arg) -> (loss,
 # grads w.r.t. shards); the gather returns units in the compute dtype (fp32, or bf16 under mixed
@@ -86,7 +86,7 @@ def staged_program(model, params: Mapping, world: int, sharding: str = "contiguo
 
 def _checked_loss(loss_fn: Callable, params, stateful: bool) -> Callable:
     """loss_fn, checked on every trace to return what its first trace returned (train.state)."""
-    from jaxodc.train.state import state_paths
+    from jaxodc.modeling.state import state_paths
 
     def loss(p, batch):
         out = loss_fn(p, batch)
@@ -112,9 +112,9 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
       **policy: train.discover.discover_units' unit policy (units=, stacked=, frozen=,
         max_unit_bytes=, and sharding=).
     """
-    from jaxodc.train.discover import const_leaves, shard_tree, unshard_tree
-    from jaxodc.train.gather_on_use import microbatch_grad_any, plan_for
-    from jaxodc.train.state import ModelState, default_count, freeze_patterns, model_state
+    from jaxodc.modeling.discover import const_leaves, shard_tree, unshard_tree
+    from jaxodc.modeling.gather_on_use import microbatch_grad_any, plan_for
+    from jaxodc.modeling.state import ModelState, default_count, freeze_patterns, model_state
 
     paths = model_state(loss_fn, params, example_batch)
     if paths:  # state leaves are constants whatever the unit policy says

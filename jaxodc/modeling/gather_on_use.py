@@ -4,7 +4,7 @@ unit is gathered where the loss first uses it and rematerialised in the backward
 Mechanism (docs/any_model.md says why): trace `loss_fn` once per batch signature to a jaxpr, flatten
 it into a list of ops (inlining `jit` and `checkpoint` calls, unrolling every `lax.scan` that iterates
 over a parameter stacked by layers into per-layer ops that read that layer's unit), cut the list
-into stages at each first use of a unit, and evaluate each stage inside core.remat_stage:
+into stages at each first use of a unit, and evaluate each stage inside staging.remat_stage:
 `gather(shard) -> unflatten -> the stage's ops`. Ops are re-bound primitives (as in
 jax.core.eval_jaxpr), so the result is ordinary traceable JAX: jit, grad, shard_map all apply, and
 the gather's VJP (collective psum_scatter, ODC push) delivers each stage's parameter cotangent. A
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxodc.train.core import GatherFn, remat_stage
-from jaxodc.train.discover import ParamPlan, _trainable, discover_units
-from jaxodc.train.units import gathered_params
+from jaxodc.modeling.staging import GatherFn, remat_stage
+from jaxodc.modeling.discover import ParamPlan, _trainable, discover_units
+from jaxodc.modeling.units import gathered_params
 
 # Call-like primitives whose body is spliced into the op list: a scan over stacked layers, or a
 # parameter use, may sit inside them. Our stages remat anyway, so an inner checkpoint adds nothing.
@@ -368,7 +368,7 @@ def gather_on_use(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, compute_
 
 def microbatch_grad_any(loss_fn: Callable, plan: ParamPlan, gather: GatherFn, has_aux: bool = False,
                         compute_dtype=None) -> Callable:
-    """core.microbatch_grad for any loss_fn: fn(shards, consts, batch, global_tokens, gather_arg) ->
+    """staging.microbatch_grad for any loss_fn: fn(shards, consts, batch, global_tokens, gather_arg) ->
     (loss / global_tokens, grads w.r.t. the local shards), or ((loss, aux), grads) with has_aux.
     `loss_fn` returns the microbatch's *sum* of per-token losses (jaxodc's loss contract)."""
     staged = gather_on_use(loss_fn, plan, gather, compute_dtype)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxodc.train.discover import _leaves, _path_str
+from jaxodc.modeling.discover import _leaves, _path_str
 
 
 def default_count(batch) -> jax.Array:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxodc.train.units import SHARDINGS, Layout, UnitSpec, _path_str, flatten_unit, padded_size
+from jaxodc.modeling.units import SHARDINGS, Layout, UnitSpec, _path_str, flatten_unit, padded_size
 
 # units= override: {unit name: pattern or patterns} | [pattern, ...] | callable(path, leaf) -> unit name,
 # a pattern being a glob string, "re:<regex>" or a compiled re.Pattern.
@@ -335,7 +335,7 @@ def shard_tree(plan: ParamPlan, params, rank: int) -> dict[str, np.ndarray]:
 def unshard_tree(plan: ParamPlan, shards: Sequence[Mapping[str, np.ndarray]], consts: Sequence) -> Any:
     """The full parameter tree (numpy leaves) from every rank's shards (shards[rank][unit]) and
     the constants."""
-    from jaxodc.train.units import unflatten_unit
+    from jaxodc.modeling.units import unflatten_unit
     if len(shards) != plan.layout.world:
         raise ValueError(f"need shards from {plan.layout.world} ranks, got {len(shards)}")
     units = {}
