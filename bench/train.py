@@ -9,6 +9,8 @@
     python -m jaxodc bench train --task sft --json bench/out/train_sft.json     # chat SFT, masked loss
     python -m jaxodc bench train --task grpo --json bench/out/train_grpo.json   # GRPO on rollouts
 
+(--task: a generated Llama-style HF checkpoint, loaded as `jaxodc train --model hf:DIR` does.)
+
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
 link) bench/train_compress.py. With --straggle, every combo runs again under each injection
 (slowdowns keyed on the data minibatch, the same for every combo), and bench/straggle_predict.py
@@ -88,8 +90,9 @@ def _args(argv):
     p.add_argument("--compress-minibatch", type=int, default=4, help="--compress: samples per rank per minibatch")
     p.add_argument("--loss-png", help="--compress: loss-vs-samples plot of the four runs")
     p.add_argument("--task", choices=("sft", "grpo"), default=None,
-                   help="train on a generated chat JSONL (sft: loss on the assistant turns) or rollout JSONL "
-                        "(grpo: the clipped objective) with long-tailed lengths instead of plain text (task_workload)")
+                   help="train a generated Llama-style HF checkpoint (--d-model, --layers, --heads) on a generated "
+                        "chat JSONL (sft: loss on the assistant turns) or rollout JSONL (grpo: the clipped objective) "
+                        "with long-tailed lengths instead of the small LM on plain text (task_workload)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -250,7 +253,7 @@ def train_worker(args) -> None:
     # memory-lean default, one per parameter ("per_leaf"), pays gloo's per-call cost on every leaf
     # (about half the samples/s at minibatch 1; bench/RESULTS.md). The lock-step transport's calls
     # are cheap, so it keeps the default.
-    # (--task: the programs come sharded as named here: a Program keeps its own layout)
+    # (a Program keeps the sharding it was built with: task_workload builds both kinds)
     coll = CollectiveTrainer(model_gloo, _optimizer(args.lr), params, sharding="contiguous")
     coll_j = CollectiveTrainer(model_lockstep, _optimizer(args.lr), params, transport="jaxodc")
     rt = Runtime.create(runtime_units, ctx)
