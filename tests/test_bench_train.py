@@ -51,7 +51,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert ("odc+lb_micro / collective@jaxodc+lb_micro samples/s (identical schedules)", 1) in names
     assert {r["transport"] for r in train} == {"gloo", "jaxodc"}
     for mb in (4, 8):
-        assert ("odc+lb_mini bubble / collective+lb_micro bubble", mb) in names
+        assert ("odc+lb_mini bubble / collective@jaxodc+lb_micro bubble", mb) in names
     assert all(isinstance(b["pass"], bool) for b in bars if b["threshold"] is not None)
     (cal,) = [r for r in records if r["kind"] == "calibration"]
     assert cal["rows"] == [32]
