@@ -9,6 +9,8 @@
     python -m jaxodc bench train --task sft --json bench/out/train_sft.json     # chat SFT, masked loss
     python -m jaxodc bench train --task grpo --json bench/out/train_grpo.json   # GRPO on rollouts
 
+(--task: a generated Llama-style HF checkpoint, loaded as `jaxodc train --model hf:DIR` does.)
+
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
 link) bench/train_compress.py. With --straggle, every combo runs again under each injection
 (slowdowns keyed on the data minibatch, the same for every combo), and bench/straggle_predict.py
@@ -88,8 +90,9 @@ def _args(argv):
     p.add_argument("--compress-minibatch", type=int, default=4, help="--compress: samples per rank per minibatch")
     p.add_argument("--loss-png", help="--compress: loss-vs-samples plot of the four runs")
     p.add_argument("--task", choices=("sft", "grpo"), default=None,
-                   help="train on a generated chat JSONL (sft: loss on the assistant turns) or rollout JSONL "
-                        "(grpo: the clipped objective) with long-tailed lengths instead of plain text (task_workload)")
+                   help="train a generated Llama-style HF checkpoint (--d-model, --layers, --heads) on a generated "
+                        "chat JSONL (sft: loss on the assistant turns) or rollout JSONL (grpo: the clipped objective) "
+                        "with long-tailed lengths instead of the small LM on plain text (task_workload)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -229,12 +232,19 @@ def train_worker(args) -> None:
     W, rank = ctx.world, ctx.rank
     # every combo without, then with each injection
     variants = [None] + [s for s in map(parse_straggle, args.straggle) if s is not None]
-    model = LM(LMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads))
-    params = model.init(jax.random.PRNGKey(args.seed))
-    samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
-    fields = ()
-    if args.task:
-        model, samples, fields = task_workload(args, model)
+    fields, tmp = (), None
+    if args.task:  # a generated HF checkpoint, each rank reading its own ranges of it
+        tmp = tempfile.TemporaryDirectory(prefix="jaxodc-bench-task-")
+        programs, params, samples, fields = task_workload(args, W, tmp.name)
+        model_gloo = model_odc = programs["contiguous"]
+        model_lockstep = programs["per_leaf"]
+        runtime_units = model_odc.runtime_units()
+    else:
+        model_gloo = model_odc = model_lockstep = LM(LMConfig(d_model=args.d_model, n_layers=args.layers,
+                                                              n_heads=args.heads))
+        params = model_odc.init(jax.random.PRNGKey(args.seed))
+        samples = synthetic_text(args.preset, args.pool, args.max_tokens, seed=args.seed + 1, min_len=8)
+        runtime_units = [u.padded for u in make_layout(params, W, order=model_odc.unit_names).units]
     lengths = samples.lengths
     buckets = bucket_policy(args.max_tokens, args.min_bucket)
     rows = row_buckets(args.max_tokens, buckets)
@@ -243,10 +253,11 @@ def train_worker(args) -> None:
     # memory-lean default, one per parameter ("per_leaf"), pays gloo's per-call cost on every leaf
     # (about half the samples/s at minibatch 1; bench/RESULTS.md). The lock-step transport's calls
     # are cheap, so it keeps the default.
-    coll = CollectiveTrainer(model, _optimizer(args.lr), params, sharding="contiguous")
-    coll_j = CollectiveTrainer(model, _optimizer(args.lr), params, transport="jaxodc")
-    rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx)
-    odc = OdcTrainer(model, _optimizer(args.lr), params, rt)
+    # (a Program keeps the sharding it was built with: task_workload builds both kinds)
+    coll = CollectiveTrainer(model_gloo, _optimizer(args.lr), params, sharding="contiguous")
+    coll_j = CollectiveTrainer(model_lockstep, _optimizer(args.lr), params, transport="jaxodc")
+    rt = Runtime.create(runtime_units, ctx)
+    odc = OdcTrainer(model_odc, _optimizer(args.lr), params, rt)
     del params
     coll.warmup(rows, fields)
     coll_j.warmup(rows, fields)
@@ -332,10 +343,13 @@ def train_worker(args) -> None:
                     "end_s": res.end_s})
     rt.close()
     coll_j.close()
+    if tmp is not None:
+        tmp.cleanup()
     blobs = ctx.allgather("bench/records", msgpack.packb({"records": records, "calib": calib}))
     if rank == 0:
         merged = {"records": [], "calib": [], "cost": [cost_odc.a, cost_odc.b, cost_odc.c],
                   "cost_collective": [cost_coll.a, cost_coll.b, cost_coll.c], "attention_coefficient": att, "rows": rows,
+                  "lengths": [int(x) for x in lengths],  # what the simulator's ceiling replays
                   "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
         for b in blobs:
             d = msgpack.unpackb(b, strict_map_key=False)
@@ -387,7 +401,10 @@ def ceilings(raw: dict) -> dict[int, float]:
         return {}
     cfg = argparse.Namespace(**raw["config"])
     W = len({r["rank"] for r in raw["records"]})
-    lengths = synthetic_text(cfg.preset, cfg.pool, cfg.max_tokens, seed=cfg.seed + 1, min_len=8).lengths
+    if "lengths" in raw:  # the run's own samples (--task: the generated JSONL's, tokenized)
+        lengths = np.asarray(raw["lengths"])
+    else:
+        lengths = synthetic_text(cfg.preset, cfg.pool, cfg.max_tokens, seed=cfg.seed + 1, min_len=8).lengths
     cost = CostModel(*raw["cost"])
     by_mb: dict = {}
     for _, mb, batches in _blocks(cfg, W, len(lengths)):
@@ -637,29 +654,46 @@ def draw_timeline(raw: dict, path: str, mb: int = 4) -> str:
 
 # --------------------------------------------------------------------------- post-training workloads
 
-def task_workload(args, model):
-    """--task: (the model to train, its samples, their per-token fields). A generated chat JSONL
-    (sft; byte tokens, the ChatML template, loss on the assistant turns) or rollout JSONL (grpo;
-    groups of 4 completions per prompt with rewards and behaviour log-probs), --pool samples with
-    --preset's long-tailed lengths in words, read by jaxodc.modeling.dataset (truncated at
-    --max-tokens). Every rank writes and reads the same file."""
-    from jaxodc.modeling import synthetic_data as synthetic
+def task_workload(args, world: int, tmp: str):
+    """--task: ({sharding: program} of a generated Llama-style HF checkpoint, its abstract
+    params, the samples, their per-token fields). The checkpoint (vocab 256: byte tokens;
+    --d-model, --layers, --heads) is written to `tmp` and loaded with jaxodc.modeling.load_hf the
+    way `jaxodc train --model hf:DIR --task` does (cli/train.py's hf_model_of, with_reference):
+    "contiguous" (ODC, and the collective over gloo: one all-gather per unit) and "per_leaf"
+    (the collective over the lock-step transport), each rank reading only its own ranges. The
+    data: a generated chat JSONL (sft; the ChatML template, loss on the assistant turns) or
+    rollout JSONL (grpo; groups of 4 completions per prompt with rewards and behaviour
+    log-probs, GRPO's default objective), --pool samples with --preset's long-tailed lengths in
+    words, read by jaxodc.modeling.dataset (truncated at --max-tokens). Every rank writes and
+    reads the same files."""
+    from jaxodc.cli.train import hf_model_of, parser, with_reference
+    from jaxodc.modeling import synthetic, synthetic_data
     from jaxodc.modeling.chat import CHATML
     from jaxodc.modeling.dataset import load_rollouts, load_sft
-    from jaxodc.modeling.rl import GRPO, task_model
     from jaxodc.modeling.tokenizer import ByteTokenizer
     from jaxodc.balance.packing import fields_of
+    ckpt = os.path.join(tmp, "model")
+    synthetic.write_checkpoint(ckpt, synthetic.tiny_config(
+        vocab=ByteTokenizer.vocab_size, hidden=args.d_model, layers=args.layers, heads=args.heads,
+        kv_heads=max(1, args.heads // 2), ffn=4 * args.d_model, max_position_embeddings=max(256, args.max_tokens)),
+        seed=args.seed)
+    # the train CLI's own settings for `--model hf:DIR --task` (GRPO: its defaults)
+    cli = parser().parse_args(["--model", f"hf:{ckpt}", "--task", args.task, "--max-tokens", str(args.max_tokens)])
     words = max(8, args.max_tokens // 6)  # ~6 bytes a word
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"{args.task}.jsonl")
-        if args.task == "sft":
-            tok = ByteTokenizer(chat_template=CHATML)
-            samples, _ = load_sft(synthetic.write_chat(path, args.pool, words, args.seed, args.preset), tok, args.max_tokens)
-        else:
-            tok = ByteTokenizer()
-            synthetic.write_rollouts(path, tok, max(1, args.pool // 4), 4, words, args.seed, args.preset)
-            samples, _ = load_rollouts(path, tok, args.max_tokens)
-    return task_model(model, args.task, GRPO()), samples, fields_of(samples.tokens)
+    path = os.path.join(tmp, f"{args.task}.jsonl")
+    if args.task == "sft":
+        tok = ByteTokenizer(chat_template=CHATML)
+        samples, _ = load_sft(synthetic_data.write_chat(path, args.pool, words, args.seed, args.preset), tok,
+                              args.max_tokens)
+    else:
+        tok = ByteTokenizer()
+        synthetic_data.write_rollouts(path, tok, max(1, args.pool // 4), 4, words, args.seed, args.preset)
+        samples, _ = load_rollouts(path, tok, args.max_tokens)
+    programs = {}
+    for sharding, comm in (("contiguous", "odc"), ("per_leaf", "collective")):  # hf_model_of: comm's sharding
+        programs[sharding], params = hf_model_of(cli, world, comm)
+    samples = with_reference(cli, programs["contiguous"], params, samples)
+    return programs, params, samples, fields_of(samples.tokens)
 
 
 # --------------------------------------------------------------------------- main

@@ -51,7 +51,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert ("odc+lb_micro / collective@jaxodc+lb_micro samples/s (identical schedules)", 1) in names
     assert {r["transport"] for r in train} == {"gloo", "jaxodc"}
     for mb in (4, 8):
-        assert ("odc+lb_mini bubble / collective+lb_micro bubble", mb) in names
+        assert ("odc+lb_mini bubble / collective@jaxodc+lb_micro bubble", mb) in names
     assert all(isinstance(b["pass"], bool) for b in bars if b["threshold"] is not None)
     (cal,) = [r for r in records if r["kind"] == "calibration"]
     assert cal["rows"] == [32]
@@ -188,9 +188,11 @@ def test_straggle_predict_orders_its_bounds():
     assert got["factor=2,rank=1,window=0:100,seed=0"]["steal"] > 1.1
 
 
-def test_ceilings_replay_the_runs_own_minibatches():
+@pytest.mark.parametrize("own_lengths", [False, True])
+def test_ceilings_replay_the_runs_own_minibatches(own_lengths):
     """`ceiling` is the simulator's odc+lb_mini / collective+lb_micro time ratio over exactly the
-    minibatches the run drew (every repetition's), with the run's calibrated ODC cost model."""
+    minibatches the run drew (every repetition's), with the run's calibrated ODC cost model, on
+    the run's recorded sample lengths (--task: the tokenized JSONL's), else the preset's."""
     import numpy as np
     from jaxodc.balance.cost import CostModel
     from jaxodc.balance.plan import make_plan
@@ -200,8 +202,13 @@ def test_ceilings_replay_the_runs_own_minibatches():
     cfg = {k: v for k, v in vars(_args(["--reps", "2", "--minibatch", "2,4", "--pool", "64", "--max-tokens", "256",
                                         "--block-samples", "4"])).items() if k not in ("worker", "out")}
     cost = [1e-9, 2e-6, 1e-4]
-    got = ceilings({"config": cfg, "cost": cost, "records": [{"rank": 0}, {"rank": 1}]})
-    lengths = synthetic_text("longalign", 64, 256, seed=1, min_len=8).lengths
+    raw = {"config": cfg, "cost": cost, "records": [{"rank": 0}, {"rank": 1}]}
+    if own_lengths:
+        lengths = np.random.default_rng(7).integers(4, 257, 64)
+        raw["lengths"] = lengths.tolist()
+    else:
+        lengths = synthetic_text("longalign", 64, 256, seed=1, min_len=8).lengths
+    got = ceilings(raw)
     model = CostModel(*cost)
     for mb in (2, 4):
         t = {"odc": 0.0, "collective": 0.0}
@@ -213,3 +220,50 @@ def test_ceilings_replay_the_runs_own_minibatches():
                 t["odc"] += plan_times(make_plan("lb_mini", lens, 2, 256, model), model, "odc")[0]
                 t["collective"] += plan_times(make_plan("lb_micro", lens, 2, 256, model), model, "collective")[0]
         assert got[mb] == pytest.approx(t["collective"] / t["odc"]) and got[mb] >= 1.0
+
+
+TASK_ARGS = ["--d-model", "16", "--layers", "1", "--heads", "2", "--max-tokens", "256", "--min-bucket", "256",
+             "--reps", "1", "--block-samples", "1", "--calib-reps", "1", "--pool", "32", "--minibatch", "1,4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["sft", "grpo"])
+def test_tiny_task_run_trains_the_generated_checkpoint(tmp_path, task):
+    """--task: every combo trains the generated HF checkpoint (each rank reading its own ranges)
+    with the task's objective. The first minibatch's loss of each trainer's first run (nothing
+    trained yet) equals the task loss computed here from the whole checkpoint on those samples."""
+    import numpy as np
+    from jaxodc.balance.packing import pack
+    from jaxodc.bench.train import COMBOS, _args, task_workload
+    from jaxodc.modeling.hf_load import load_hf
+    from jaxodc.modeling.rl import GRPO
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--task", task, "--json", str(out), "--timeout", "150"]
+    proc = subprocess.run(cmd + TASK_ARGS, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    train = [r for r in records if r["kind"] == "train"]
+    assert sorted((r["comm"], r["balance"], r["minibatch"]) for r in train) == sorted(
+        (c, b, mb) for c, b in COMBOS for mb in (1, 4))
+    assert {r["transport"] for r in train} == {"gloo", "jaxodc"}
+    for r in train:
+        assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0 and math.isfinite(r["loss"]), r
+        assert r["ceiling"] is not None and r["ceiling"] >= 1.0, r
+    names = {(b["bar"], b["minibatch"]) for b in records if b["kind"] == "bar"}
+    assert ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", 4) in names
+
+    # the reference: the same checkpoint and samples, the whole model in this process
+    args = _args(["--task", task] + TASK_ARGS)
+    _, _, samples, fields = task_workload(args, 1, str(tmp_path))
+    ck = load_hf(str(tmp_path / "model"))
+    params = ck.params()
+    idx = np.random.default_rng([0, 0, 1]).choice(len(samples), size=2, replace=False)  # bench's first minibatch
+    total = count = 0.0
+    for i in idx:
+        batch = pack([samples.tokens[int(i)]], 256, fields=fields).as_dict()
+        apply = lambda b: ck.model.apply(params, b)  # noqa: E731 - per-token cross entropy x loss_mask
+        total += float(GRPO().linen_loss(apply, batch) if task == "grpo" else apply(batch).sum())
+        count += float(batch["loss_mask"].sum())
+    first = {(r["comm"], r["balance"]): r["loss"] for r in train if r["minibatch"] == 1}
+    for combo in (("collective", "local_sort"), ("collective@jaxodc", "lb_micro"), ("odc", "local_sort")):
+        assert first[combo] == pytest.approx(total / count, rel=1e-4), (combo, first, total / count)

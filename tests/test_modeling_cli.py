@@ -1,7 +1,8 @@
 """`jaxodc train --task sft|grpo --tokenizer DIR --data FILE.jsonl`: bad data and settings are
 refused before any rank starts (exit 2, naming file and line); SFT on chat data and GRPO on
 rollouts (KL against the initial weights computed up front) train on 2 local ranks, ODC and the
-collective, and report the truncation."""
+collective, and report the truncation; GRPO on a Hugging Face checkpoint (--model hf:DIR) trains
+GRPO's objective."""
 import os
 import subprocess
 import sys
@@ -68,3 +69,39 @@ def test_sft_and_grpo_runs(tmp_path):
     out = _train(["--data", rollouts, "--task", "grpo", "--tokenizer", tok, "--model", "llama", "--kl", "0.05",
                   "--balance", "lb_steal", "--steps", "2", "--warmup", "0"] + SMALL)
     assert "odc + lb_steal" in out and "minibatch 1: loss" in out, out
+
+
+@pytest.mark.timeout(600)
+def test_grpo_on_hf_checkpoint_trains_the_grpo_objective(tmp_path):
+    """`--model hf:DIR --task grpo`: the first minibatch (every rollout, each once) reports GRPO's
+    loss computed here from the whole checkpoint, not the plain cross entropy."""
+    import re
+
+    import numpy as np
+    from jaxodc.balance.packing import fields_of, pack
+    from jaxodc.modeling import synthetic_data
+    from jaxodc.modeling.dataset import load_rollouts
+    from jaxodc.modeling.hf_load import load_hf
+    from jaxodc.modeling.rl import GRPO
+    from jaxodc.modeling.synthetic import tiny_config, write_checkpoint
+    from jaxodc.modeling.tokenizer import ByteTokenizer
+    d = str(tmp_path / "ck")
+    write_checkpoint(d, tiny_config("llama", vocab=256, hidden=16, layers=1, heads=2, kv_heads=1), seed=3)
+    rollouts = synthetic_data.write_rollouts(str(tmp_path / "r.jsonl"), ByteTokenizer(), 2, 4, 6, seed=2,
+                                             prompt_words=(2, 4))
+    out = _train(["--model", f"hf:{d}", "--data", rollouts, "--task", "grpo", "--ranks", "2", "--comm", "odc",
+                  "--minibatch", "4", "--max-tokens", "64", "--steps", "1", "--warmup", "0"])
+    got = float(re.search(r"minibatch 0: loss (-?[0-9.]+)", out).group(1))
+    samples, _ = load_rollouts(rollouts, ByteTokenizer(), 64)
+    assert len(samples) == 8
+    ck = load_hf(d)
+    params, fields = ck.params(), fields_of(samples.tokens)
+    apply = lambda b: ck.model.apply(params, b)  # noqa: E731 - per-token cross entropy x loss_mask
+    grpo = ce = count = 0.0
+    for s in samples.tokens:
+        batch = pack([s], 64, fields=fields).as_dict()
+        grpo += float(GRPO().linen_loss(apply, batch))
+        ce += float(apply(batch).sum())
+        count += float(np.sum(batch["loss_mask"]))
+    assert got == pytest.approx(grpo / count, abs=2e-4), (got, grpo / count)
+    assert abs(ce / count - grpo / count) > 1.0  # the two objectives are told apart

@@ -298,8 +298,11 @@ def hf_model_of(args, world: int, comm: str):
     """(program, abstract params) of --model hf:DIR for `world` ranks under `comm`: each rank's
     shards are read from the files when the trainer starts."""
     from jaxodc.modeling.hf_load import load_hf
+    from jaxodc.modeling.rl import task_fields
     ckpt = load_hf(hf_dir(args))
-    return ckpt.program(world, comm=comm, max_tokens=args.max_tokens), ckpt.abstract_params()
+    grpo = grpo_of(args) if args.task == "grpo" else None
+    return (ckpt.program(world, comm=comm, max_tokens=args.max_tokens, loss=task_loss(args),
+                         fields=task_fields(args.task, grpo)), ckpt.abstract_params())
 
 
 def check_hf(args, full: bool) -> None:
@@ -459,9 +462,8 @@ def load_task_samples(args):
 
 def task_loss(args):
     """The linen loss(apply, batch) of --task: the summed per-token loss, or GRPO's."""
-    if args.task == "grpo":
-        return grpo_of(args).linen_loss
-    return lambda apply, batch: apply(batch).sum()
+    from jaxodc.modeling.rl import task_loss as loss_of
+    return loss_of(args.task, grpo_of(args) if args.task == "grpo" else None)
 
 
 def task_kwargs(args) -> dict:

@@ -163,19 +163,21 @@ class HFCheckpoint:
         return jax.tree_util.tree_map_with_path(leaf, self._abstract)
 
     def program(self, world: int, *, comm: str = "odc", max_tokens: int | None = None, example_batch=None,
-                loss: Callable | None = None, sharding: str | None = None, **policy) -> HFProgram:
+                loss: Callable | None = None, sharding: str | None = None, fields: tuple = (),
+                **policy) -> HFProgram:
         """The program of this model for `world` ranks (sharded as `comm`'s trainer shards:
         per_leaf for "collective", contiguous for "odc"), whose `shard(_, rank)` reads the rank's
         ranges. `loss(apply, batch)` is linen_loss_fn's (default: the sum of the per-token
         losses; `apply(batch, method="token_logprobs")` gives log-probabilities); it is traced on
-        `example_batch` or an empty packed microbatch of `max_tokens`."""
+        `example_batch` or an empty packed microbatch of `max_tokens` carrying the per-token
+        `fields` the loss reads (e.g. rl.task_fields: GRPO's advantages)."""
         from jaxodc.modeling.adapters import linen_loss_fn
         from jaxodc.modeling.program import traced_program
         if example_batch is None:
             if max_tokens is None:
                 raise ValueError("program() needs max_tokens= (the packed row length) or example_batch=")
             from jaxodc.balance.packing import pack
-            example_batch = pack([], int(max_tokens)).as_dict()
+            example_batch = pack([], int(max_tokens), fields=fields).as_dict()
         sharding = sharding or ("per_leaf" if comm == "collective" else "contiguous")
         loss_fn = linen_loss_fn(self.model, loss or (lambda apply, batch: apply(batch).sum()))
         prog = traced_program(loss_fn, self._abstract, example_batch, world, sharding=sharding, **policy)

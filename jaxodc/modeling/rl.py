@@ -92,6 +92,22 @@ class GRPOModel(StagedModel):
         return self.grpo.token_loss(-out, batch) if name == self.unit_names[-1] else out
 
 
+def task_fields(task: str | None, grpo: GRPO | None = None) -> tuple[str, ...]:
+    """The per-token fields a `task`'s packed batches carry: none for SFT; GRPO's advantages and
+    behaviour log-probabilities, and the reference's with a KL term."""
+    if task != "grpo":
+        return ()
+    return (ADVANTAGE, OLD_LOGP) + ((REF_LOGP,) if (grpo or GRPO()).kl_coef else ())
+
+
+def task_loss(task: str | None, grpo: GRPO | None = None) -> Callable:
+    """The linen loss(apply, batch) of `task` (train.adapters.linen_loss_fn): the summed per-token
+    loss (SFT: the cross entropy under the loss mask), or GRPO's objective."""
+    if task == "grpo":
+        return (grpo or GRPO()).linen_loss
+    return lambda apply, batch: apply(batch).sum()
+
+
 def task_model(model, task: str, grpo: GRPO | None = None):
     """`model` trained on `task`: "sft" as it is; "grpo": a unit-staged model wrapped in GRPOModel
     (a loss function must compute GRPO itself: linen_loss_fn(module, GRPO(...).linen_loss))."""
