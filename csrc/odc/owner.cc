@@ -1,6 +1,8 @@
 // The owner side of the runtime: the daemon that drains full receive slots into the gradient
 // accumulators (accumulator.h), the end of a minibatch (wait_complete), reading the summed gradient, and
 // publishing new master shards.
+#include <chrono>
+#include <thread>
 #include <cstring>
 
 #include "odc/compress.h"
@@ -21,8 +23,35 @@ bool Runtime::accept_push(int unit, int64_t version, int client) {
 
 void Runtime::accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset) {
   if (!accept_push(unit, version, client)) return;
+  // A push of the next minibatch may reach this owner before its trainer has cleared the sum it
+  // still reads (grad_view ... clear_grad): it waits for the clear instead of landing in that sum.
+  const double deadline = now_seconds() + core_->timeout_s;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+      if (!accum_[unit]->lent()) {
+        add_locked(unit, client, data, count, offset);
+        return;
+      }
+    }
+    if (core_->stop.load(std::memory_order_acquire)) return;
+    if (now_seconds() > deadline) {
+      add_locked_timeout(unit, client);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+void Runtime::add_locked_timeout(int unit, int client) {
+  core_->record_push_error("rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " to " +
+                           core_->who() + ", whose summed gradient stayed lent out (no clear_grad) for " +
+                           std::to_string(core_->timeout_s) + " s");
+}
+
+bool Runtime::unit_lent(int unit) {
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  add_locked(unit, client, data, count, offset);
+  return accum_[unit]->lent();
 }
 
 void Runtime::add_locked(int unit, int client, const float* data, int64_t count, int64_t offset) {
@@ -52,6 +81,8 @@ bool Runtime::drain_slots() {
                      : sketch ? slot->sketch_width > 0 && slot->sketch_width <= core.layout.slot_elems && count > 0 &&
                                     sketch_payload_bytes(count, slot->sketch_width) <= core.layout.slot_elems * 4
                               : offset == 0);
+    // A push into a sum the trainer still reads waits in its slot until clear_grad (accumulate()).
+    if (fits && unit_lent(unit)) continue;
     if (!fits) {
       core.record_push_error("rank " + std::to_string(c) + " pushed a malformed message (unit " +
                              std::to_string(unit) + ", " + std::to_string(count) + " elements at " +
@@ -174,6 +205,7 @@ void Runtime::clear_grad(int unit) {
   std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
   accum_[unit]->clear();
   grad_lent_[unit] = 0;
+  signal_event(&core_->seg->doorbell);  // pushes left waiting in their slots (drain_slots)
 }
 
 float* Runtime::master_data(int unit) {
