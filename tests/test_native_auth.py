@@ -53,7 +53,7 @@ def _refused(port, listener, job_id, rank, secret):
             return True
 
 
-def _listeners(secret=SECRET, job="jnatsec"):
+def _listeners(secret=SECRET, job=f"jnatsec{os.getpid()}"):
     """One native listener of each kind, bound to loopback: (name, port, job id, closer)."""
     odc = C.OdcRuntime(0, 2, job, [64, 1000], 10.0, "127.0.0.1", 0, secret)
     group = C.LockstepGroup(0, 2, f"/jaxodc_{job}_lockstep_t", [(0, 8, "c", 0)], 10.0, "127.0.0.1", secret, job)
@@ -84,9 +84,9 @@ def test_every_native_listener_refuses_a_wrong_secret_and_admits_the_right_one()
 
 def test_an_empty_secret_only_on_loopback():
     with pytest.raises(RuntimeError, match="without a job secret"):
-        C.OdcRuntime(0, 2, "jnatsec_open", [8], 5.0, "0.0.0.0", 0, b"")
+        C.OdcRuntime(0, 2, f"jnatsec_open{os.getpid()}", [8], 5.0, "0.0.0.0", 0, b"")
     with pytest.raises(RuntimeError, match="without a job secret"):
-        C.LockstepGroup(0, 2, "/jaxodc_jnatsec_open_l", [(0, 8, "c", 0)], 5.0, "0.0.0.0", b"", "j")
+        C.LockstepGroup(0, 2, f"/jaxodc_jnatsec_open{os.getpid()}_l", [(0, 8, "c", 0)], 5.0, "0.0.0.0", b"", "j")
     from jaxodc.comm.ring import RingEndpoint
     with pytest.raises(ValueError, match="without a job secret"):
         RingEndpoint(host="0.0.0.0")

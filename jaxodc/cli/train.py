@@ -587,8 +587,13 @@ def params_sha256(params) -> str:
 
     import jax
     import numpy as np
+    def host(x):  # typed PRNG keys (nnx's RNG state) hash by their key data
+        if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.ascontiguousarray(x)
+
     h = hashlib.sha256()
-    leaves = sorted(((jax.tree_util.keystr(p), np.ascontiguousarray(x))
+    leaves = sorted(((jax.tree_util.keystr(p), host(x))
                      for p, x in jax.tree_util.tree_leaves_with_path(params)), key=lambda t: t[0])
     for path, x in leaves:
         h.update(f"{path}|{x.dtype.str}|{x.shape}|".encode())
