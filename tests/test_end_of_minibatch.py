@@ -189,3 +189,15 @@ def test_end_of_minibatch_matches_reference(world):
             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got),
                                     jax.tree_util.tree_leaves(ref.numpy_params())):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+
+
+def test_records_carry_end_s_in_its_own_field():
+    """StepResult.end_s reaches MinibatchRecord.end_s (not another field) and the summary."""
+    from jaxodc.train.core import StepResult
+    from jaxodc.train.metrics import MinibatchRecord, summarize
+
+    res = StepResult(version=3, loss=1.5, t_start=0.0, t_end=1.0, microbatches=[(0.0, 0.5)], opt=(0.5, 0.75))
+    res.end_s = 0.25
+    rec = MinibatchRecord.from_result(res, rank=0, samples=2, tokens=10, comm="odc", balance="lb_mini")
+    assert rec.end_s == 0.25 and rec.params_sha256 is None and rec.straggle_s is None
+    assert summarize([rec])["end_s"] == 0.25

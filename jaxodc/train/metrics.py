@@ -64,7 +64,7 @@ class MinibatchRecord:
         return cls(rank, res.version, res.t_start, res.t_end, list(res.microbatches), tuple(res.opt),
                    samples, tokens, res.loss, comm, balance, None, res.wire_bytes, res.wire_bytes_selected,
                    res.wire_bytes_units, res.kept_fraction, res.peeled, res.estimated, res.straggle_s,
-                   getattr(res, "end_s", None))
+                   end_s=getattr(res, "end_s", None))
 
 
 def _by_step(records: Iterable[MinibatchRecord]) -> dict[int, list[MinibatchRecord]]:
