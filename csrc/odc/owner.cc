@@ -36,14 +36,14 @@ void Runtime::accumulate(int unit, int64_t version, int client, const float* dat
     }
     if (core_->stop.load(std::memory_order_acquire)) return;
     if (now_seconds() > deadline) {
-      add_locked_timeout(unit, client);
+      record_lent_timeout(unit, client);
       return;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
 }
 
-void Runtime::add_locked_timeout(int unit, int client) {
+void Runtime::record_lent_timeout(int unit, int client) {
   core_->record_push_error("rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " to " +
                            core_->who() + ", whose summed gradient stayed lent out (no clear_grad) for " +
                            std::to_string(core_->timeout_s) + " s");

@@ -216,7 +216,7 @@ class Runtime {
   bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
   // Adds an accepted push; the caller holds the unit's lock.
-  void add_locked_timeout(int unit, int client);
+  void record_lent_timeout(int unit, int client);
   bool unit_lent(int unit);
   void add_locked(int unit, int client, const float* data, int64_t count, int64_t offset);
   // Pushes elements [a, a + n) of the unit (`src`) to owner p, whose piece starts at owner_lo:

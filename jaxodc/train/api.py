@@ -229,7 +229,7 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
 def _task(model, task: str, grpo, precision):
     """(the model to train, the per-token fields its batches carry, the task's config to check
     across ranks) for Trainer(task=...)."""
-    from jaxodc.modeling.rl import ADVANTAGE, GRPO, OLD_LOGP, REF_LOGP, task_model
+    from jaxodc.modeling.rl import GRPO, task_fields, task_model
     if task == "sft":
         if grpo is not None:
             raise ValueError("grpo= settings apply to task='grpo'")
@@ -242,8 +242,7 @@ def _task(model, task: str, grpo, precision):
         raise ValueError(f"task='grpo' with precision {str(p)!r} would round the advantages and log-probabilities "
                          "to bf16 (the batch's float leaves are cast): add keep_inputs (\"bf16,keep_inputs\", "
                          "MixedPrecision(cast_inputs=False))")
-    fields = (ADVANTAGE, OLD_LOGP) + ((REF_LOGP,) if grpo.kl_coef else ())
-    return task_model(model, task, grpo), fields, {"task": task, "grpo": repr(grpo)}
+    return task_model(model, task, grpo), task_fields(task, grpo), {"task": task, "grpo": repr(grpo)}
 
 
 def _digest(x) -> str:
