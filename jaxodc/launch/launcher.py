@@ -186,10 +186,6 @@ class _Job:
         at_start, in_bar = True, False  # next text begins a line / update; a \r was seen on this line
         while True:
             data = os.read(fd, 65536)
-            try:
-                os.write(r.log_fd, data)
-            except OSError:
-                pass  # a full disk must not block the rank
             held += decoder.decode(data, final=not data)
             pieces = _PIECE.findall(held)
             held = held[sum(map(len, pieces)):]
@@ -197,6 +193,11 @@ class _Job:
                 # the end of output, a bar's update, or a line too long to hold (memory bounded)
                 pieces.append(held + ("\n" if not data else ""))
                 held = ""
+            if pieces:
+                try:  # whole pieces, one write each time: stdout and stderr never split a line
+                    os.write(r.log_fd, "".join(pieces).encode())
+                except OSError:
+                    pass  # a full disk must not block the rank
             out = []
             for piece in pieces:
                 if at_start and piece != "\r":
