@@ -113,10 +113,8 @@ def accounted(tr, batch: dict) -> dict:
         grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
         mb_c = _compiled(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
         mb = _memory(mb_c)
-        # the end of a minibatch (train.unitwise.EndStep): its programs run one after the other
-        import jax
-        opt = max((_analysis(fn, *a) for _, fn, a in tr.end.programs(tr.shards, jax.tree_util.tree_leaves(tr.opt_state),
-                                                                      grads)),
+        # the end of a minibatch (OdcTrainer.end_programs): its programs run one after the other
+        opt = max((_analysis(fn, *a) for _, fn, a in tr.end_programs(grads)),
                   key=lambda m: m["temp"] + m["output"] - m["alias"])
         mb_phase = outside + opt_bytes + _step_peak(mb)   # args: shards, batch
         if tr._masters is None:

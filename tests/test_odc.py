@@ -595,6 +595,39 @@ def test_allgather_vectors_in_one_exchange(transport):
         assert "out of step" in err and "same length" in err, err
 
 
+def program_allgather_body(ctx, transport):
+    """odc_allgather inside a jitted program: the head's float64 values exact from every rank, the
+    values summed over ranks in rank order in float64 and rounded once; exchange 0 skips peers."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.ops.odc import odc_allgather
+    rt = make_runtime(ctx, sizes=[8], transport=transport)
+    prog = jax.jit(lambda head, values, on: odc_allgather(head, values, 3, on, runtime=rt))
+    head = np.array([np.pi * (ctx.rank + 1), 1e300, 2.0 ** 60 + ctx.rank], np.float64)  # not float32 values
+    values = np.random.default_rng([7, ctx.rank]).standard_normal(70).astype(np.float32) * 10.0 ** ctx.rank
+    rows, total = (np.asarray(x) for x in prog(head.view(np.uint32), values, np.int32(1)))
+    alone = [np.asarray(x) for x in prog(head.view(np.uint32), values, np.int32(0))]
+    with pytest.raises(TypeError, match="head must be uint32"):
+        odc_allgather(jnp.zeros(3, jnp.uint32), jnp.zeros(2), 0, 1, runtime=rt)
+    rt.close(barrier=False)
+    return rows.view(np.float64), total, alone[0].view(np.float64), alone[1]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_allgather_inside_a_program(transport):
+    W = 3
+    heads = np.stack([np.array([np.pi * (r + 1), 1e300, 2.0 ** 60 + r]) for r in range(W)])
+    values = [np.random.default_rng([7, r]).standard_normal(70).astype(np.float32) * 10.0 ** r for r in range(W)]
+    want = np.zeros(70)
+    for v in values:  # rank order, float64, one rounding
+        want += v.astype(np.float64)
+    for r, (rows, total, alone_rows, alone_total) in enumerate(run_ranks(program_allgather_body, W, args=(transport,))):
+        np.testing.assert_array_equal(rows, heads)
+        np.testing.assert_array_equal(total, want.astype(np.float32))
+        np.testing.assert_array_equal(alone_rows, np.tile(heads[r], (W, 1)))
+        np.testing.assert_array_equal(alone_total, (W * values[r].astype(np.float64)).astype(np.float32))
+
+
 def test_store_master_writes_the_shard_in_place():
     import jax
     import jax.numpy as jnp

@@ -197,6 +197,9 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           nb::arg("unit"))
       .def("clear_grad", &Runtime::clear_grad, nb::arg("unit"))
+      .def("lend_grads", &Runtime::lend_grads, nb::call_guard<nb::gil_scoped_release>())
+      .def("clear_and_publish_in_place", &Runtime::clear_and_publish_in_place, nb::arg("version"),
+           nb::call_guard<nb::gil_scoped_release>())
       .def(
           "master_view",
           [](nb::handle self, int unit) {
@@ -245,6 +248,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   add_target(targets, "jaxodc_odc_scatter", "cpu", odc::OdcScatterCpu);
   add_target(targets, "jaxodc_odc_scatter_range", "cpu", odc::OdcScatterRangeCpu);
   add_target(targets, "jaxodc_odc_store_master", "cpu", odc::OdcStoreMasterCpu);
+  add_target(targets, "jaxodc_odc_allgather", "cpu", odc::OdcAllgatherCpu);
 #ifdef JAXODC_WITH_CUDA
   add_target(targets, "jaxodc_odc_gather", "CUDA", odc::OdcGatherCuda);
   add_target(targets, "jaxodc_odc_gather_into", "CUDA", odc::OdcGatherIntoCuda);

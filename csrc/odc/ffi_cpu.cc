@@ -1,5 +1,6 @@
 // CPU handlers of the ODC ops: the runtime reads and writes XLA's host buffers directly.
 #include <cstring>
+#include <vector>
 
 #include "odc/ffi.h"
 
@@ -88,8 +89,58 @@ ffi::Error StoreMasterCpuImpl(ffi::AnyBuffer value, ffi::AnyBuffer token, ffi::R
   });
 }
 
+// The minibatch's one exchange from inside the optimizer's program (Runtime::allgather): `head`
+// carries float64 values as their raw bits (loss, token count: exact, whatever jax's x64 setting)
+// and comes back as every rank's, by rank; `values` (the optimizer's partial sums) come back
+// summed over ranks in rank order in double, rounded once, so every rank gets the same bits.
+// `exchange` 0 skips the peers (a warm-up run): every rank's values are taken to be mine.
+ffi::Error AllgatherCpuImpl(ffi::Buffer<ffi::U32> head, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> version,
+                            ffi::Buffer<ffi::S32> exchange, ffi::Result<ffi::Buffer<ffi::U32>> head_rows,
+                            ffi::Result<ffi::Buffer<ffi::F32>> total, int64_t runtime) {
+  Runtime* rt = runtime_by_handle(runtime);
+  if (rt == nullptr)
+    return invalid("odc.allgather: no live ODC runtime with handle " + std::to_string(runtime) + " in this process");
+  const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
+  const int64_t w = rt->world();
+  if (h % 2 != 0 || static_cast<int64_t>(head_rows->element_count()) != w * h ||
+      static_cast<int64_t>(total->element_count()) != n)
+    return invalid("odc.allgather: rank " + std::to_string(rt->rank()) + ": head of " + std::to_string(h) +
+                   " words (even), head rows of " + std::to_string(head_rows->element_count()) + " (expected " +
+                   std::to_string(w * h) + "), total of " + std::to_string(total->element_count()) + " (expected " +
+                   std::to_string(n) + ")");
+  return run_guarded([&] {
+    const int64_t k = h / 2, m = k + n;  // doubles per rank
+    std::vector<double> mine(static_cast<size_t>(m));
+    std::memcpy(mine.data(), head.typed_data(), static_cast<size_t>(k) * sizeof(double));
+    for (int64_t i = 0; i < n; ++i) mine[k + i] = values.typed_data()[i];
+    std::vector<double> rows;
+    if (exchange.typed_data()[0] != 0) {
+      rows = rt->allgather(version.typed_data()[0], mine);
+    } else {
+      rows.reserve(static_cast<size_t>(w * m));
+      for (int64_t r = 0; r < w; ++r) rows.insert(rows.end(), mine.begin(), mine.end());
+    }
+    for (int64_t r = 0; r < w; ++r)
+      std::memcpy(head_rows->typed_data() + r * h, rows.data() + r * m, static_cast<size_t>(k) * sizeof(double));
+    for (int64_t i = 0; i < n; ++i) {
+      double sum = 0.0;
+      for (int64_t r = 0; r < w; ++r) sum += rows[r * m + k + i];
+      total->typed_data()[i] = static_cast<float>(sum);
+    }
+  });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcAllgatherCpu, AllgatherCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("runtime"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcStoreMasterCpu, StoreMasterCpuImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()

@@ -208,6 +208,16 @@ void Runtime::clear_grad(int unit) {
   signal_event(&core_->seg->doorbell);  // pushes left waiting in their slots (drain_slots)
 }
 
+void Runtime::lend_grads() {
+  for (int u = 0; u < num_units(); ++u) grad_in_place(u);
+}
+
+void Runtime::clear_and_publish_in_place(int64_t version) {
+  // All cleared before any is announced: peers push into them right after.
+  for (int u = 0; u < num_units(); ++u) clear_grad(u);
+  for (int u = 0; u < num_units(); ++u) publish_in_place(u, version);
+}
+
 float* Runtime::master_data(int unit) {
   check_open("master_data");
   check_unit(unit, "master_data");

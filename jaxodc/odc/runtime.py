@@ -482,6 +482,15 @@ class Runtime:
         """Zeroes the accumulator of `unit` lent by grad_view (before publish_in_place)."""
         self._native.clear_grad(unit)
 
+    def lend_grads(self) -> None:
+        """grad_view of every unit, without making the arrays: for a caller that keeps views (or
+        zero-copy arrays) from an earlier minibatch, whose memory never moves."""
+        self._native.lend_grads()
+
+    def clear_and_publish_in_place(self, version: int) -> None:
+        """clear_grad of every unit, then publish_in_place(unit, version) of every unit."""
+        self._native.clear_and_publish_in_place(version)
+
     def master_view(self, unit: int) -> np.ndarray:
         """My master shard of `unit` (64-byte aligned, so jax on CPU wraps it without a copy).
         Write it only between wait_complete(v) and publish_in_place(v + 1)."""

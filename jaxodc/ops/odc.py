@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc import _native
-from jaxodc.ops._common import native_handle, new_token
+from jaxodc.ops._common import native_handle, new_token, pinned_ffi_call
 
 # An extension built before the one-buffer-per-piece gather lacks it: pieces are then cut from the
 # whole unit (same values, a unit's worth more memory).
@@ -37,14 +37,17 @@ def _gather_call(local_shard, version, *, runtime: np.int64, unit: int, numel: i
     )(local_shard, version, runtime=runtime, unit=np.int64(unit))
 
 
-def _scatter_call(local_shard, grad, version, token, *, runtime: np.int64, unit: int, offset: int | None = None):
+def _scatter_call(local_shard, grad, version, token, *, runtime: np.int64, unit: int, offset: int | None = None,
+                  pinned: bool = True):
     # offset None: `grad` is the whole unit; else elements [offset, offset + grad.size) of it.
+    # pinned: the caller consumes the token (the VJPs below, through _zero_after); the public op
+    # keeps jax's effect, so a push whose token is dropped still happens.
     target, attrs = "jaxodc_odc_scatter", {}
     if offset is not None:
         target, attrs = "jaxodc_odc_scatter_range", {"offset": np.int64(offset)}
-    return jax.ffi.ffi_call(
-        target, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True,
-    )(local_shard, grad, version, token, runtime=runtime, unit=np.int64(unit), **attrs)
+    token_type = jax.ShapeDtypeStruct((1,), jnp.int32)
+    call = pinned_ffi_call(target, token_type) if pinned else jax.ffi.ffi_call(target, token_type, has_side_effect=True)
+    return call(local_shard, grad, version, token, runtime=runtime, unit=np.int64(unit), **attrs)
 
 
 def _zero_after(local_shard, tokens):
@@ -212,7 +215,7 @@ def odc_scatter_accumulate(local_shard: jax.Array, grad: jax.Array, version, *, 
     _reject_vmap("odc_scatter_accumulate", unit, local_shard, grad, version)
     return _scatter_call(local_shard, grad if offset is None else jnp.ravel(grad),
                          jnp.asarray(version, dtype=jnp.int32), new_token() if token is None else token,
-                         runtime=handle, unit=int(unit), offset=None if offset is None else int(offset))
+                         runtime=handle, unit=int(unit), offset=None if offset is None else int(offset), pinned=False)
 
 
 def odc_store_master(value: jax.Array, token: jax.Array, *, runtime, unit: int) -> jax.Array:
@@ -227,12 +230,46 @@ def odc_store_master(value: jax.Array, token: jax.Array, *, runtime, unit: int) 
       runtime, unit: as for `odc_gather`.
 
     Returns:
-      The next token: what orders later work after this store.
+      The next token: what orders later work after this store. It must reach the program's
+      outputs (jax drops a store whose token is unused; `pinned_ffi_call`).
     """
     handle = native_handle(runtime, "odc_store_master", "jaxodc.odc.Runtime")
     _reject_vmap("odc_store_master", unit, value, token)
     if value.dtype != jnp.float32 or value.ndim != 1:
         raise TypeError(f"odc_store_master: unit {unit}: value must be a 1-D float32 array, got "
                         f"{value.dtype}{list(value.shape)}")
-    return jax.ffi.ffi_call("jaxodc_odc_store_master", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
+    return pinned_ffi_call("jaxodc_odc_store_master", jax.ShapeDtypeStruct((1,), jnp.int32))(
         value, token, runtime=handle, unit=np.int64(unit))
+
+
+def odc_allgather(head: jax.Array, values: jax.Array, version, exchange, *, runtime) -> tuple[jax.Array, jax.Array]:
+    """The minibatch's one exchange (`Runtime.allgather`) from inside a compiled program: what the
+    optimizer's global reductions need, summed over ranks, and a few float64 values per rank.
+
+    Args:
+      head: uint32[2k], k float64 values as their raw bits (e.g. `np.float64(...).view(np.uint32)`):
+        exact whatever jax's x64 setting; comes back from every rank.
+      values: float32[n], this rank's partial sums; comes back summed over ranks in rank order in
+        float64 and rounded once, the same bits on every rank.
+      version: int32 scalar or [1]; labels errors only.
+      exchange: int32 scalar or [1]; 0 skips the peers (warm-up: every rank's values are mine).
+      runtime: the `jaxodc.odc.Runtime` (its world size shapes the result); CPU programs only.
+
+    Returns:
+      (uint32[world, 2k] every rank's head by rank, float32[n] the sum). Both must reach the
+      program's outputs or feed what does (`pinned_ffi_call`).
+    """
+    handle = native_handle(runtime, "odc_allgather", "jaxodc.odc.Runtime")
+    if not hasattr(runtime, "world"):
+        raise TypeError(f"odc_allgather: runtime must be a jaxodc.odc.Runtime (its world size shapes the result), "
+                        f"got {runtime!r}")
+    world = int(runtime.world)
+    if head.dtype != jnp.uint32 or head.ndim != 1 or head.shape[0] % 2:
+        raise TypeError(f"odc_allgather: head must be uint32[2k] (float64 bits), got {head.dtype}{list(head.shape)}")
+    if values.dtype != jnp.float32 or values.ndim != 1:
+        raise TypeError(f"odc_allgather: values must be a 1-D float32 array, got {values.dtype}{list(values.shape)}")
+    rows, total = pinned_ffi_call("jaxodc_odc_allgather", (jax.ShapeDtypeStruct((world * head.shape[0],), jnp.uint32),
+                                                            jax.ShapeDtypeStruct(values.shape, jnp.float32)))(
+        head, values, jnp.reshape(jnp.asarray(version, jnp.int32), (1,)), jnp.reshape(jnp.asarray(exchange, jnp.int32), (1,)),
+        runtime=handle)
+    return rows.reshape(world, head.shape[0]), total

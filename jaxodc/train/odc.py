@@ -183,6 +183,13 @@ class OdcTrainer(ShardedTrainer):
             store = lambda name, x, tok: odc_store_master(x, tok, runtime=runtime, unit=index[name])  # noqa: E731
             token = new_token
         self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
+        # With masters in place (CPU) and global reductions to agree on, the exchange runs inside
+        # the optimizer's program (odc_allgather): one dispatch for the whole end of a minibatch.
+        self._end_program = None
+        if self._masters is not None and self.end.rounds:
+            from jaxodc.ops.odc import odc_allgather
+            self._end_program = self.end.exchanged(
+                lambda head, part, ver, on: odc_allgather(head, part, ver, on, runtime=runtime))
         self._grads = None  # zero-copy arrays of the runtime's accumulators, made once (_grad_arrays)
         self._global_tokens = 1.0  # the current minibatch's (grad_exchange's argument)
         self.version = 0
@@ -273,11 +280,12 @@ class OdcTrainer(ShardedTrainer):
         (the runtime may finish its accumulation there); where jax can alias its memory, the
         zero-copy arrays made the first time are reused while the views stay where they were
         (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
+        if self._grads is not None:  # the accumulators never move (Runtime.lend_grads)
+            self.rt.lend_grads()
+            return self._grads
         views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
         if self.grad_exchange is not None:
             return {n: jax.device_put(g) for n, g in self.grad_exchange(views, self._global_tokens).items()}
-        if self._grads is not None and all(_aliases(self._grads[n], g) for n, g in views.items()):
-            return self._grads
         grads = {n: jax.device_put(g) for n, g in views.items()}
         if self._masters is not None and all(_aliases(grads[n], views[n]) for n in grads):
             self._grads = grads
@@ -292,6 +300,13 @@ class OdcTrainer(ShardedTrainer):
         leaves = jax.tree_util.tree_leaves(self.opt_state)
         known = [None] * len(end.sites)
         head = np.array([loss, global_tokens], np.float64)
+        if self._end_program is not None:
+            (new_leaves, token), rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32),
+                                                          np.int32(v), np.int32(1))
+            jax.block_until_ready(token)  # every unit's new shard is in its master
+            self.opt_state = end.state_tree(new_leaves)
+            self.rt.clear_and_publish_in_place(v + 1)
+            return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
         rows = None
         for k in range(end.rounds):
             part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
@@ -309,19 +324,32 @@ class OdcTrainer(ShardedTrainer):
         self.opt_state = end.state_tree(new_leaves)
         # The gradients are cleared before the next version is announced: peers push into them
         # right after.
-        for u in self.layout.units:
-            self.rt.clear_grad(u.index)
         if self._masters is not None:
-            for u in self.layout.units:
-                self.rt.publish_in_place(u.index, v + 1)
+            self.rt.clear_and_publish_in_place(v + 1)
         else:
+            for u in self.layout.units:
+                self.rt.clear_grad(u.index)
             self._publish(shards, v + 1)
         if rows is None:  # no global reduction: the exchange after publishing, off peers' path
             rows = self.rt.allgather(v, head)
+        return self._global_loss(v, rows, global_tokens)
+
+    def _global_loss(self, v: int, rows: np.ndarray, global_tokens: float) -> float:
+        """The minibatch's loss from every rank's (loss, token count), which must agree on the count."""
         if np.any(rows[:, 1] != global_tokens):
             raise ValueError(f"rank {self.rank}: ranks were given different global token counts for minibatch "
                              f"{v + self._rt_base}: " + ", ".join(f"rank {r}: {t:g}" for r, t in enumerate(rows[:, 1])))
         return float(np.sum(rows[:, 0]))
+
+    def end_programs(self, grads: dict):
+        """(name, jitted program, its arguments) of the end of a minibatch, for compiled-memory
+        reports (nothing runs)."""
+        leaves = jax.tree_util.tree_leaves(self.opt_state)
+        if self._end_program is None:
+            yield from self.end.programs(self.shards, leaves, grads)
+        else:
+            yield "end", self._end_program, (self.shards, leaves, grads, np.zeros(4, np.uint32), np.int32(0),
+                                             np.int32(0))
 
     def warm_end(self) -> None:
         """Compiles and runs the end-of-minibatch programs once (benchmarks: before timing) on this
@@ -331,10 +359,14 @@ class OdcTrainer(ShardedTrainer):
         end, grads, saved = self.end, self._grad_arrays(), self.local_shards()
         leaves = [jnp.copy(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
         shards = self.shards if self._masters is not None else {n: jnp.copy(a) for n, a in self.shards.items()}
-        fed = end.fill([None] * len(end.sites))
-        for k in range(end.rounds):
-            jax.block_until_ready(end.partials(k, shards, leaves, grads, fed))
-        jax.block_until_ready(end.apply(shards, leaves, grads, fed))
+        if self._end_program is not None:  # the exchange skipped (its last argument)
+            jax.block_until_ready(self._end_program(shards, leaves, grads, np.zeros(4, np.uint32), np.int32(0),
+                                                    np.int32(0)))
+        else:
+            fed = end.fill([None] * len(end.sites))
+            for k in range(end.rounds):
+                jax.block_until_ready(end.partials(k, shards, leaves, grads, fed))
+            jax.block_until_ready(end.apply(shards, leaves, grads, fed))
         if self._masters is not None:
             for u in self.layout.units:
                 np.copyto(self._masters[u.index], saved[u.name])

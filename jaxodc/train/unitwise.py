@@ -286,22 +286,51 @@ class EndStep:
 
     def _partials_program(self, level: int):
         if level not in self._partials:
-            mine = [i for i, lv in enumerate(self.levels) if lv == level]
-
-            def fn(shards, leaves, grads, reduced):
-                calls = self._update(shards, leaves, grads, reduced)[2]
-                return jnp.concatenate([jnp.ravel(calls[i]).astype(jnp.float32) for i in mine])
-
-            self._partials[level] = jax.jit(fn)
+            self._partials[level] = jax.jit(lambda shards, leaves, grads, reduced: self._level_part(
+                level, self._update(shards, leaves, grads, reduced)[2]))
         return self._partials[level]
 
-    def split(self, level: int, total: np.ndarray, known: list) -> None:
+    def _level_part(self, level: int, calls: Sequence) -> jax.Array:
+        """The sites of `level`: their arguments (this rank's parts) as one float32 vector."""
+        return jnp.concatenate([jnp.ravel(calls[i]).astype(jnp.float32)
+                                for i, lv in enumerate(self.levels) if lv == level])
+
+    def split(self, level: int, total, known: list) -> None:
         """Writes the summed vector of `level` into `known` (site by site)."""
         at = 0
         for i, lv in enumerate(self.levels):
             if lv == level:
                 known[i] = total[at:at + self._sizes[i]]
                 at += self._sizes[i]
+
+    def exchanged(self, exchange: Callable):
+        """The whole end of a minibatch as one program, the exchange an op inside it (ODC's
+        `odc_allgather`): each level's partial sums, their exchange, the update and (with a store)
+        the stores. No host round trip between them, and one dispatch. For an optimizer with
+        global reductions (rounds >= 1); without, there is nothing to exchange before the update.
+
+        Args:
+          exchange: (head, part, *extra) -> (head rows, part summed over ranks), traced into the
+            program; `head` goes with the first level's exchange (and an empty one with later
+            levels').
+
+        Returns:
+          The jitted (shards, state leaves, grads, head, *extra) -> (apply's result, head rows),
+          the state leaves donated as by `apply`.
+        """
+        def fn(shards, state_leaves, grads, head, *extra):
+            reduced = self.fill([None] * len(self.sites))
+            reduced = [jnp.asarray(r) for r in reduced]
+            rows = None
+            for k in range(self.rounds):
+                part = self._level_part(k, self._update(shards, state_leaves, grads, reduced)[2])
+                got, total = exchange(head if k == 0 else head[:0], part, *extra)
+                rows = got if k == 0 else rows
+                self.split(k, total, reduced)
+                reduced = [jnp.reshape(r, s.shape).astype(s.dtype) for r, s in zip(reduced, self.sites)]
+            return self._apply_fn(shards, state_leaves, grads, reduced), rows
+
+        return jax.jit(fn, donate_argnums=(1,) if self._store is not None else (0, 1))
 
     @property
     def partial_size(self) -> list[int]:
