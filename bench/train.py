@@ -40,6 +40,13 @@ from jaxodc.launch.launcher import launch_ranks, pin_one_core
 COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("collective@jaxodc", "lb_micro"), ("odc", "local_sort"),
           ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
 MiB = 1 << 20
+
+
+def sum_comm(accumulate: str) -> str:
+    """--compare-sum's extra trainer: ODC over a runtime summing pushes by `accumulate`."""
+    return f"odc/{accumulate}-sum"
+
+
 TRANSPORT = {"collective": "gloo", "collective@jaxodc": "jaxodc", "odc": "jaxodc"}  # records' "transport"
 
 
@@ -93,6 +100,9 @@ def _args(argv):
                    help="train a generated Llama-style HF checkpoint (--d-model, --layers, --heads) on a generated "
                         "chat JSONL (sft: loss on the assistant turns) or rollout JSONL (grpo: the clipped objective) "
                         "with long-tailed lengths instead of the small LM on plain text (task_workload)")
+    p.add_argument("--compare-sum", action="store_true",
+                   help="also run odc+lb_mini with the other accumulation of pushes (exact <-> fp32; "
+                        "$JAXODC_ODC_ACCUMULATE picks the main one), interleaved, and print their ratio")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -258,6 +268,13 @@ def train_worker(args) -> None:
     coll_j = CollectiveTrainer(model_lockstep, _optimizer(args.lr), params, transport="jaxodc")
     rt = Runtime.create(runtime_units, ctx)
     odc = OdcTrainer(model_odc, _optimizer(args.lr), params, rt)
+    combos, trainers = COMBOS, {"collective": coll, "collective@jaxodc": coll_j, "odc": odc}
+    if args.compare_sum:  # the same trainer over a runtime summing pushes the other way
+        other = "fp32" if rt.accumulate == "exact" else "exact"
+        rt_other = Runtime(runtime_units, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
+                           job_id=f"{ctx.job_id}_{other}", secret=ctx.secret, accumulate=other)
+        trainers[sum_comm(other)] = OdcTrainer(model_odc, _optimizer(args.lr), params, rt_other)
+        combos += ((sum_comm(other), "lb_mini"),)
     del params
     coll.warmup(rows, fields)
     coll_j.warmup(rows, fields)
@@ -273,8 +290,11 @@ def train_worker(args) -> None:
     att = cost_odc.a
     fit = fit_cost([t[0] for t in tables])
     cost_coll = type(fit)(att, fit.b, fit.c)
-    costs = {"collective": cost_coll, "collective@jaxodc": cost_coll, "odc": cost_odc}
-    trainers = {"collective": coll, "collective@jaxodc": coll_j, "odc": odc}
+    costs = {"collective": cost_coll, "collective@jaxodc": cost_coll}
+    costs.update({c: cost_odc for c in trainers if c.startswith("odc")})
+    for c in trainers:
+        if c.startswith("odc/"):
+            warmup_odc(trainers[c], rows, 1, barrier=lambda: ctx.barrier("bench/warmup_sum"), fields=fields)
 
     def bk(plan, mbs, m):
         return bucket(plan.microbatch_tokens(mbs[m]) if m < len(mbs) else 0, args.max_tokens, buckets)
@@ -315,9 +335,9 @@ def train_worker(args) -> None:
             calib.append({"rep": rep, "rank": rank, **t_coll})
         for k, idx in enumerate(batches):
             sub, data_step = [samples[int(i)] for i in idx], data_step + 1
-            start, turn = turn % len(COMBOS), turn + 1
-            for straggle, ci in [(v, c) for v in variants for c in list(range(start, len(COMBOS))) + list(range(start))]:
-                comm, balance = COMBOS[ci]
+            start, turn = turn % len(combos), turn + 1
+            for straggle, ci in [(v, c) for v in variants for c in list(range(start, len(combos))) + list(range(start))]:
+                comm, balance = combos[ci]
                 tr = trainers[comm]
                 tr.straggle = straggle and dataclasses.replace(straggle, pinned=data_step)
                 plan = make_plan(balance, lengths[idx].tolist(), W, args.max_tokens, costs[comm])
@@ -327,7 +347,7 @@ def train_worker(args) -> None:
                 own = set(plan.ranks[rank])
                 mine_own = [m for m in range(len(res.ran)) if res.ran[m] in own]
                 opt_s = res.opt[1] - res.opt[0]
-                busy = busy_collective(res, plan, t_coll[comm]) if comm != "odc" else busy_odc(res, plan)
+                busy = busy_odc(res, plan) if comm.startswith("odc") else busy_collective(res, plan, t_coll[comm])
                 records.append({
                     "comm": comm, "balance": balance, "minibatch": mb, "rep": rep, "k": k, "rank": rank,
                     "t_start": res.t_start, "t_end": res.t_end, "compute": [list(c) for c in res.microbatches],
@@ -341,7 +361,9 @@ def train_worker(args) -> None:
                     "throttled": bool(straggle and straggle.throttles(data_step, rank)),
                     "straggle": straggle.spec() if straggle else None, "straggle_s": sum(res.straggle_s or []),
                     "end_s": res.end_s})
-    rt.close()
+    for c, tr in trainers.items():
+        if c.startswith("odc"):
+            tr.rt.close()
     coll_j.close()
     if tmp is not None:
         tmp.cleanup()
@@ -463,7 +485,7 @@ def _summarize_cells(records: list[dict]) -> tuple[list[dict], dict]:
         v = list(sps.values())
         out.append({
             "kind": "train", "comm": comm, "balance": balance, "minibatch": mb, "ranks": W,
-            "transport": TRANSPORT[comm],
+            "transport": TRANSPORT[comm.split("/")[0]],
             "samples_per_s": statistics.median(v), "bubble_rate": statistics.median(bub_cpu),
             "tokens_per_s": statistics.median(tps.values()),
             "samples_per_s_min": min(v), "samples_per_s_max": max(v),
@@ -483,7 +505,7 @@ def _summarize_cells(records: list[dict]) -> tuple[list[dict], dict]:
             "end_s": _median_or_none([r.get("end_s") for r in allrecs]),
         })
     order = {c: i for i, c in enumerate(COMBOS)}
-    out.sort(key=lambda r: (r["minibatch"], order[(r["comm"], r["balance"])]))
+    out.sort(key=lambda r: (r["minibatch"], order.get((r["comm"], r["balance"]), len(order))))
     return out, per_rep
 
 
@@ -560,6 +582,13 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
                 out.append({"bar": f"{odc[0]}+{odc[1]} bubble / collective@jaxodc+lb_micro bubble", "minibatch": mb,
                             "value": val, "threshold": None, "pass": None,
                             "odc_bubble": o["bubble_rate"], "collective_bubble": b["bubble_rate"]})
+    for other in ("fp32", "exact"):  # --compare-sum: the exact sum over fp32 arrival order
+        exact, fp32 = (mini, (sum_comm(other), "lb_mini")) if other == "fp32" else ((sum_comm(other), "lb_mini"), mini)
+        for mb in mbs:
+            p = _paired(per_rep, exact, fp32, mb)
+            if p:
+                out.append(_bar("odc+lb_mini exact sum / fp32 sum samples/s (reproducible accumulation)", mb, p, 0.97,
+                                p["median"] >= 0.97, pooled=p["pooled"], pooled_ci95=p["pooled_ci95"]))
     o, c = cell.get((*mini, 4)), cell.get((*fair, 4))
     if o and c and o.get("end_s") is not None and c.get("end_s"):
         val = o["end_s"] / c["end_s"]
@@ -626,8 +655,9 @@ def print_report(rows: list[dict], bar_rows: list[dict], raw: dict | None = None
         if "minibatches_with_steals" in b and "pooled" not in b:
             extra += f" [steals in {b['minibatches_with_steals']} of {b['minibatches']} minibatches]"
         if "pooled" in b and "median" not in b:
-            extra += (f" [whole run {b['pooled']:.3f}; steals in {b['minibatches_with_steals']} of "
-                      f"{b['minibatches']} minibatches]")
+            steals = (f"; steals in {b['minibatches_with_steals']} of {b['minibatches']} minibatches"
+                      if "minibatches_with_steals" in b else "")
+            extra += f" [whole run {b['pooled']:.3f}{steals}]"
         verdict = "" if b["pass"] is None else (" PASS" if b["pass"] else " FAIL")
         if isinstance(b["threshold"], list):
             thr = f" (bar within {b['threshold'][0]}..{b['threshold'][1]})"
@@ -713,6 +743,7 @@ def _forward(args) -> list[str]:
             "memory_steps", "memory_slot_mib", "memory_collective_transport", "precision")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     out += ["--task", args.task] if args.task else []
+    out += ["--compare-sum"] if args.compare_sum else []
     return out + [x for s in args.straggle for x in ("--straggle", s)]
 
 

@@ -14,24 +14,26 @@ MBS = (1, 2, 4, 8)
 
 @pytest.mark.slow
 def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
-    from jaxodc.bench.train import COMBOS
+    from jaxodc.bench.train import COMBOS, sum_comm
+    combos = COMBOS + ((sum_comm("fp32"), "lb_mini"),)  # --compare-sum: the default exact sum against fp32
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",
-           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--timeout", "150"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--compare-sum", "--timeout", "150"]
+    env = {k: v for k, v in os.environ.items() if k != "JAXODC_ODC_ACCUMULATE"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
     injected = [r for r in records if r["kind"] == "train" and r["straggle"]]
     assert sorted((r["comm"], r["balance"], r["minibatch"]) for r in injected) == sorted(
-        (c, b, mb) for c, b in COMBOS for mb in MBS)  # every combo again, under injection
+        (c, b, mb) for c, b in combos for mb in MBS)  # every combo again, under injection
     assert all(r["straggle"] == "p=0.05,rank_p=0.05,factor=3,seed=0" for r in injected)
     assert {(b["bar"].split(" (straggle")[0], b["minibatch"]) for b in records
             if b["kind"] == "bar" and "straggle" in b["bar"]} >= {
         ("odc+lb_steal / odc+lb_mini samples/s", 4), ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", 8)}
     train = [r for r in records if r["kind"] == "train" and not r["straggle"]]
     got = sorted((r["comm"], r["balance"], r["minibatch"]) for r in train)
-    assert got == sorted((c, b, mb) for c, b in COMBOS for mb in MBS)
+    assert got == sorted((c, b, mb) for c, b in combos for mb in MBS)
     for r in train:
         assert r["ranks"] == 2
         assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0, r
@@ -47,6 +49,7 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
         assert ("odc+lb_mini / collective+lb_micro samples/s", mb) in names
         assert ("odc+lb_mini / collective@jaxodc+lb_micro samples/s", mb) in names
         assert ("odc+lb_steal / odc+lb_mini samples/s", mb) in names
+        assert ("odc+lb_mini exact sum / fp32 sum samples/s (reproducible accumulation)", mb) in names
     if 1 in MBS:
         assert ("odc+lb_micro / collective@jaxodc+lb_micro samples/s (identical schedules)", 1) in names
     assert {r["transport"] for r in train} == {"gloo", "jaxodc"}
