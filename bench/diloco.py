@@ -69,7 +69,7 @@ def held_out_loss(targs, shards: list[dict], n: int = 64) -> float:
     import jax
 
     from jaxodc.balance.packing import loss_tokens, pack
-    from jaxodc.cli.train import model_of
+    from jaxodc.cli.train_models import model_of
     from jaxodc.data import synthetic_text
     from jaxodc.modeling.program import program_of
     model, params = model_of(targs)

@@ -688,7 +688,7 @@ def task_workload(args, world: int, tmp: str):
     """--task: ({sharding: program} of a generated Llama-style HF checkpoint, its abstract
     params, the samples, their per-token fields). The checkpoint (vocab 256: byte tokens;
     --d-model, --layers, --heads) is written to `tmp` and loaded with jaxodc.modeling.load_hf the
-    way `jaxodc train --model hf:DIR --task` does (cli/train.py's hf_model_of, with_reference):
+    way `jaxodc train --model hf:DIR --task` does (cli/train_models.py's hf_model_of, with_reference):
     "contiguous" (ODC, and the collective over gloo: one all-gather per unit) and "per_leaf"
     (the collective over the lock-step transport), each rank reading only its own ranges. The
     data: a generated chat JSONL (sft; the ChatML template, loss on the assistant turns) or
@@ -696,7 +696,8 @@ def task_workload(args, world: int, tmp: str):
     log-probs, GRPO's default objective), --pool samples with --preset's long-tailed lengths in
     words, read by jaxodc.modeling.dataset (truncated at --max-tokens). Every rank writes and
     reads the same files."""
-    from jaxodc.cli.train import hf_model_of, parser, with_reference
+    from jaxodc.cli.train import parser
+    from jaxodc.cli.train_models import hf_model_of, with_reference
     from jaxodc.modeling import synthetic, synthetic_data
     from jaxodc.modeling.chat import CHATML
     from jaxodc.modeling.dataset import load_rollouts, load_sft

@@ -7,7 +7,8 @@ own), the cross-site average is a numpy mean and the outer Nesterov step is nump
 import numpy as np
 
 from jaxodc.balance.packing import loss_tokens, pack
-from jaxodc.cli.train import load_samples, model_of, parser
+from jaxodc.cli.train import load_samples, parser
+from jaxodc.cli.train_models import model_of
 from jaxodc.modeling.program import program_of
 from jaxodc.train.reference import ReferenceTrainer
 from jaxodc.optim.sites import site_minibatches
