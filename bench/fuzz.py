@@ -1,12 +1,19 @@
 """`jaxodc bench fuzz`: a protocol fuzzer for every listener of a jaxodc job.
 
-Every listener (`jaxodc.auth.LISTENERS`) starts with the same jaxodc-auth-v2 handshake, so the
-unauthenticated cases are generic: random bytes, truncated and oversized handshake replies,
-claimed ranks and lengths at the edges of their integer types, valid-looking transcripts replayed
-with a stale nonce, a wrong or missing secret, another listener's or job's tags, and idle
-connections held open. A case is *rejected* when the listener ends the connection (or lets it
-time out) without proving the secret; a listener that ever sends a valid proof to one of these
-peers has let an unauthenticated peer in.
+Every listener but the coordination service (`jaxodc.auth.LISTENERS`) starts with the same
+jaxodc-auth-v2 handshake, so their unauthenticated cases are generic (`KINDS`): random bytes,
+truncated and oversized handshake replies, claimed ranks and lengths at the edges of their integer
+types, valid-looking transcripts replayed with a stale nonce, a wrong or missing secret, another
+listener's or job's tags, and idle connections held open. A case is *rejected* when the listener
+ends the connection (or lets it time out) without proving the secret; a listener that ever sends a
+valid proof to one of these peers has let an unauthenticated peer in.
+
+The coordination service (`coord`) speaks its own dialect (jaxodc-coord-v2, `jaxodc.coord.protocol`:
+length-prefixed msgpack frames, HMAC over both nonces and the client's claims); its cases
+(`COORD_KINDS`) are random bytes, truncated frames, length prefixes at and beyond the auth frame's
+limit, auth frames with a wrong secret, without a mac or nonce, over a stale nonce, replayed byte
+for byte, with the wrong type or claims, bodies that are not maps, and idle connections. A case is
+rejected when the service ends the connection without a welcome.
 
 Two kinds of job are disturbed, each compared with an undisturbed run of the same job:
 
@@ -21,8 +28,11 @@ Two kinds of job are disturbed, each compared with an undisturbed run of the sam
   runs' ``params_sha256`` when their records carry it, else their final losses.
 
 One record per listener: {"listener", "cases", "rejected", "crashes", "same_params"}; `crashes`
-counts ranks or listeners that died (a listener that stops answering, a rank that exits non-zero
-or logs a sanitizer report). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
+counts ranks that exit non-zero or by a signal or log a sanitizer report, and listeners that stop
+answering while their rank still runs. Every listener is probed throughout the job; one that falls
+silent counts only if its process outlives the silence by more than `SHUTDOWN_S` (a rank closes
+its listeners in its normal shutdown, just before it exits 0). Bars: >= 10 000 cases in all, 0
+crashes, every case rejected.
 
     python -m jaxodc bench fuzz --json fuzz.json                 # native listeners
     python -m jaxodc bench fuzz --jobs native,train --json fuzz.json
@@ -46,9 +56,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgpack
 import numpy as np
 
 from jaxodc import auth
+from jaxodc.coord import protocol as P
 
 SECRET = bytes.fromhex("6a61786f64632d66757a7a2d7365637265742d30303031")
 MAGIC_LEN = len(auth.MAGIC) + auth.NONCE_BYTES
@@ -63,13 +75,19 @@ KINDS = ("random", "truncated", "oversized", "rank_edge", "wrong_secret", "no_se
 # -- one case ---------------------------------------------------------------------------------------
 
 class Target:
-    """One listener of the job: where it listens and what a rank of the job would prove to it."""
+    """One listener of the job: where it listens, its dialect ("v2": jaxodc-auth-v2, "coord":
+    jaxodc-coord-v2), what a rank of the job would prove to it and the process that owns it."""
 
-    def __init__(self, listener: str, host: str, port: int, job_id: str, world: int, secret: bytes):
+    def __init__(self, listener: str, host: str, port: int, job_id: str, world: int, secret: bytes,
+                 dialect: str = "v2", pid: int | None = None):
         self.listener, self.host, self.port = listener, host, port
         self.job_id, self.world, self.secret = job_id, world, secret
+        self.dialect, self.pid = dialect, pid
+        self.kinds = COORD_KINDS if dialect == "coord" else KINDS
         self.cases = self.rejected = 0
         self.admitted: list[str] = []  # kinds of case a listener let in (must stay empty)
+        self.silent_at: float | None = None  # monotonic time it was first found not answering
+        self.gone_at: float | None = None    # monotonic time its process was found ended
         self.lock = threading.Lock()
 
     def count(self, kind: str, rejected: bool) -> None:
@@ -79,11 +97,13 @@ class Target:
             if not rejected:
                 self.admitted.append(kind)
 
-    def alive(self) -> bool:
+    def alive(self, timeout_s: float = 5.0) -> bool:
         """The listener still answers a connection with its challenge."""
         try:
-            with socket.create_connection((self.host, self.port), timeout=5) as s:
-                s.settimeout(5)
+            with socket.create_connection((self.host, self.port), timeout=timeout_s) as s:
+                s.settimeout(timeout_s)
+                if self.dialect == "coord":
+                    return _coord_challenge(s) is not None
                 return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
         except OSError:
             return False
@@ -204,6 +224,134 @@ def _answered_with_proof(s: socket.socket) -> bool:
         return False
 
 
+# -- the coordination service's dialect --------------------------------------------------------------
+
+COORD_KINDS = ("random", "truncated", "oversized", "len_edge", "wrong_secret", "no_mac", "stale_nonce", "replay",
+               "wrong_type", "bad_claims", "not_a_map", "idle")
+# Length prefixes at the edges of the auth frame's limit and of the u32 prefix itself.
+COORD_LEN_EDGES = (P.AUTH_FRAME_MAX + 1, P.MAX_FRAME, P.MAX_FRAME + 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1)
+
+
+def _coord_challenge(s: socket.socket) -> dict | None:
+    """The service's challenge frame on a fresh connection (None when it sent none)."""
+    try:
+        chal = P.recv_frame(s, P.AUTH_FRAME_MAX)
+    except (P.ProtocolError, ConnectionError, OSError):
+        return None
+    ok = chal.get("t") == P.Msg.CHALLENGE and isinstance(chal.get("nonce"), bytes)
+    return chal if ok else None
+
+
+def _coord_hello(rng: random.Random) -> dict:
+    return {"group": rng.randrange(2), "ring_addr": f"127.0.0.1:{rng.randrange(1, 65536)}",
+            "ss_addr": f"127.0.0.1:{rng.randrange(1, 65536)}"}
+
+
+def _coord_auth(secret: bytes, server_nonce: bytes, hello: dict, **fields) -> dict:
+    """An auth frame for `hello`, mac'd with `secret` over `server_nonce`; `fields` replace any of it."""
+    cn = os.urandom(P.NONCE_BYTES)
+    frame = dict(hello, t=P.Msg.AUTH, nonce=cn,
+                 mac=P._mac(secret, b"client", server_nonce, cn, hello))  # noqa: SLF001 - the wire's own mac
+    frame.update(fields)
+    return frame
+
+
+def _coord_welcomed(s: socket.socket) -> bool:
+    """Reads what the service answers until it ends the connection: True on a welcome (an error
+    frame, a timeout or the end of the connection are refusals)."""
+    s.settimeout(10)
+    for _ in range(4):  # a refusal is one error frame, then the end
+        try:
+            frame = P.recv_frame(s)
+        except (P.ProtocolError, ConnectionError, OSError):
+            return False
+        if frame.get("t") == P.Msg.WELCOME:
+            return True
+    return True  # a stream of frames to an unauthenticated peer is an answer it must not give
+
+
+def run_coord_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
+    """One case against the coordination service; True when it was rejected, None when nothing
+    listens any more. `stale` carries the previous case's challenge and a valid auth frame for it."""
+    try:
+        s = socket.create_connection((t.host, t.port), timeout=10)
+    except ConnectionRefusedError:
+        return None
+    except OSError:
+        return True
+    with s:
+        s.settimeout(10)
+        try:
+            chal = _coord_challenge(s)
+            if chal is None:
+                return True
+            ns, hello = chal["nonce"], _coord_hello(rng)
+            old = stale[:] or [os.urandom(P.NONCE_BYTES), P.pack(_coord_auth(t.secret, os.urandom(P.NONCE_BYTES),
+                                                                             hello))]
+            stale[:] = [ns, P.pack(_coord_auth(t.secret, ns, hello))]  # what a peer would have sent here
+            if kind == "random":
+                s.sendall(os.urandom(rng.choice(LEN_EDGES + (rng.randrange(1, 2048),))))
+            elif kind == "truncated":  # a frame cut anywhere, the length prefix included
+                frame = P.pack(_coord_auth(os.urandom(32), ns, hello))
+                s.sendall(frame[:rng.randrange(len(frame))])
+            elif kind == "oversized":  # a prefix beyond the auth frame's limit, then that many bytes begun
+                s.sendall(P.HEADER.pack(rng.choice(COORD_LEN_EDGES)))
+                try:
+                    s.sendall(os.urandom(rng.choice((0, 4096, 1 << 16))))
+                except OSError:
+                    return True
+            elif kind == "len_edge":  # a whole frame of garbage at the smallest and largest legal lengths
+                n = rng.choice((0, 1, 2, P.AUTH_FRAME_MAX - 1, P.AUTH_FRAME_MAX))
+                s.sendall(P.HEADER.pack(n) + os.urandom(n))
+            elif kind == "wrong_secret":
+                secret = os.urandom(rng.choice((1, 16, 32, 100))) if rng.random() < 0.8 else b""
+                s.sendall(P.pack(_coord_auth(secret, ns, hello)))
+            elif kind == "no_mac":  # the mac or nonce missing, empty, of another type or length
+                field, value = rng.choice((("mac", None), ("mac", b""), ("mac", "0" * 64), ("mac", 0),
+                                           ("nonce", None), ("nonce", b""), ("nonce", os.urandom(31)),
+                                           ("nonce", os.urandom(33)), ("nonce", "x" * 32)))
+                frame = _coord_auth(t.secret, ns, hello)
+                if value is None:
+                    del frame[field]
+                else:
+                    frame[field] = value
+                s.sendall(P.pack(frame))
+            elif kind == "stale_nonce":  # the job secret's mac over the previous challenge's nonce
+                s.sendall(P.pack(_coord_auth(t.secret, old[0], hello)))
+            elif kind == "replay":  # the valid auth frame of the previous challenge, byte for byte
+                s.sendall(old[1])
+            elif kind == "wrong_type":  # a right mac over this challenge, under another message type
+                typ = rng.choice((P.Msg.WELCOME, P.Msg.CHALLENGE, P.Msg.HEARTBEAT, P.Msg.TOPO, P.Msg.ERROR, "AUTH",
+                                  "", b"auth", 1, None))
+                frame = _coord_auth(t.secret, ns, hello)
+                if typ is None:
+                    del frame["t"]
+                else:
+                    frame["t"] = typ
+                s.sendall(P.pack(frame))
+            elif kind == "bad_claims":  # a right mac over claims of the wrong types or names
+                bad = rng.choice(({"group": "0", "ring_addr": hello["ring_addr"], "ss_addr": hello["ss_addr"]},
+                                  {"group": 0, "ring_addr": 1, "ss_addr": hello["ss_addr"]},
+                                  {"group": 0, "ring_addr": hello["ring_addr"]},
+                                  {1: 0, "group": 0, "ring_addr": hello["ring_addr"], "ss_addr": hello["ss_addr"]},
+                                  {}))
+                s.sendall(P.pack(_coord_auth(t.secret, ns, bad)))
+            elif kind == "not_a_map":
+                body = rng.choice((msgpack.packb([P.Msg.AUTH, ns]), msgpack.packb(P.Msg.AUTH), msgpack.packb(None),
+                                   msgpack.packb(1 << 63), b"\x91" * 2000 + b"\xc0", b"\xdf\xff\xff\xff\xff",
+                                   b"\xc6\xff\xff\xff\xff"))
+                s.sendall(P.HEADER.pack(len(body)) + body)
+            elif kind == "idle":  # held open without a word, then dropped
+                time.sleep(rng.uniform(0.2, 1.0))
+                return True
+            else:
+                raise ValueError(kind)
+            s.shutdown(socket.SHUT_WR)
+            return not _coord_welcomed(s)
+        except OSError:
+            return True  # the service ended the connection
+
+
 def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
          stop: threading.Event | None = None) -> None:
     """Runs `cases` cases (or {listener: cases}) against every target, spread over the kinds of case,
@@ -212,7 +360,7 @@ def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
     for i, t in enumerate(targets):
         rng = random.Random(seed * 1000 + i)
         n = cases if isinstance(cases, int) else cases[t.listener]
-        work += [(t, KINDS[k % len(KINDS)], random.Random(rng.random())) for k in range(n)]
+        work += [(t, t.kinds[k % len(t.kinds)], random.Random(rng.random())) for k in range(n)]
     random.Random(seed).shuffle(work)
     stale: dict[str, list] = {t.listener + str(t.port): [] for t in targets}
 
@@ -220,7 +368,8 @@ def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
         t, kind, rng = item
         if stop is not None and stop.is_set():
             return
-        rejected = run_case(t, kind, rng, stale[t.listener + str(t.port)])
+        case = run_coord_case if t.dialect == "coord" else run_case
+        rejected = case(t, kind, rng, stale[t.listener + str(t.port)])
         if rejected is not None:
             t.count(kind, rejected)
 
@@ -418,19 +567,56 @@ def _children(pid: int) -> list[int]:
     return out + [g for c in out for g in _children(c)]
 
 
-def _speaks_v2(port: int) -> bool:
+def _dialect(port: int) -> str | None:
+    """What a listener says first: "v2" (a jaxodc-auth-v2 challenge), "coord" (a jaxodc-coord-v2
+    challenge frame) or None (nothing we know)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.settimeout(2)
-            return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
-    except OSError:
-        return False
+            head = _recv_exact(s, 4)
+            if head == auth.MAGIC:
+                return "v2"
+            (n,) = P.HEADER.unpack(head) if len(head) == 4 else (0,)
+            if 0 < n <= P.AUTH_FRAME_MAX:
+                chal = P.decode(_recv_exact(s, n))
+                if chal.get("t") == P.Msg.CHALLENGE and chal.get("v") == P.PROTOCOL_VERSION:
+                    return "coord"
+    except (OSError, P.ProtocolError, struct.error):
+        pass
+    return None
 
 
-def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes] | None:
-    """Which listener, job id and secret answer a handshake on `port`; None when none does (a listener
-    that does not challenge its peers at all among them)."""
-    if not _speaks_v2(port):
+def _coord_secret(port: int, secrets: list[bytes]) -> bytes | None:
+    """Which of `secrets` the coordination service on `port` holds, found without joining it: an auth
+    frame with a right mac but no claims is dropped in silence, one with a wrong mac is refused
+    with an error frame."""
+    for secret in secrets:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.settimeout(5)
+                chal = _coord_challenge(s)
+                if chal is None:
+                    return None
+                s.sendall(P.pack(_coord_auth(secret, chal["nonce"], {})))
+                try:
+                    answer = P.recv_frame(s)
+                except (P.ProtocolError, ConnectionError):
+                    return secret
+                if answer.get("t") == P.Msg.WELCOME:
+                    raise RuntimeError(f"the coordination service on port {port} welcomed a peer without claims")
+        except OSError:
+            continue
+    return None
+
+
+def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes, str] | None:
+    """Which listener, job id, secret and dialect answer a handshake on `port`; None when none does (a
+    listener that does not challenge its peers at all among them)."""
+    dialect = _dialect(port)
+    if dialect == "coord":
+        secret = _coord_secret(port, secrets)
+        return None if secret is None else ("coord", "", secret, "coord")
+    if dialect != "v2":
         return None
     for secret in secrets:
         for job in job_ids:
@@ -438,10 +624,63 @@ def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str,
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                         auth.client_handshake(s, secret, name, job, 0, timeout_s=5)
-                        return name, job, secret
+                        return name, job, secret, "v2"
                 except (OSError, auth.AuthError):
                     continue
     return None
+
+
+def _running(pid: int) -> bool:
+    """Process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class Watch:
+    """Probes every listener of a running job each `period` s, from the moment they are found until
+    the job ends: when each first stopped answering (two probes in a row) and when its process
+    ended. A listener that stops answering while its process lives on is a crash; one that stops
+    within `SHUTDOWN_S` of its process's end was closed by that process's shutdown."""
+
+    def __init__(self, targets: list[Target], period: float = 1.0):
+        self.targets, self.period = targets, period
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="fuzz-watch")
+        self.thread.start()
+
+    def _run(self) -> None:
+        failed: dict[int, float] = {}  # id(target) -> when the current run of failed probes began
+        while True:
+            for t in self.targets:
+                now = time.monotonic()
+                if t.pid is not None and t.gone_at is None and not _running(t.pid):
+                    t.gone_at = now
+                if t.silent_at is not None:
+                    continue
+                if t.alive(timeout_s=10):
+                    failed.pop(id(t), None)
+                elif id(t) in failed:
+                    t.silent_at = failed[id(t)]
+                else:
+                    failed[id(t)] = now
+            if self.stop.wait(self.period):
+                return
+
+    def close(self, job_ended_at: float) -> None:
+        """Stops probing; a process still found running now ended with the job."""
+        self.stop.set()
+        self.thread.join(60)
+        for t in self.targets:
+            if t.gone_at is None:
+                t.gone_at = job_ended_at
+
+    @staticmethod
+    def crashed(t: Target) -> bool:
+        """`t` stopped answering and its process lived on for more than SHUTDOWN_S."""
+        return t.silent_at is not None and (t.gone_at is None or t.gone_at - t.silent_at > SHUTDOWN_S)
 
 
 def _train(args: list[str], json_path: str, secret: bytes, timeout_s: float, discover=None):
@@ -515,7 +754,44 @@ TRAIN_JOBS = {
     "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"}),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
-               "core dumped", "Fatal Python error")
+               "core dumped", "Fatal Python error", "was killed by")
+# Seconds from a listener's last answer to the end of its process that a normal shutdown may take
+# (the rank closes its listeners, then writes its records and leaves jax).
+SHUTDOWN_S = 30.0
+
+
+def _discover(proc, expected: set[str], timeout_s: float) -> tuple[list[Target], list[int]]:
+    """The listeners of the running job `proc` (found in /proc, told apart by a handshake with the job
+    secret), once every `expected` one is up or none has appeared for 15 s; and the ports that
+    answer no handshake of the job."""
+    found: dict[int, Target] = {}
+    unknown: set[int] = set()
+    deadline = time.monotonic() + min(timeout_s, 300)
+    settled = None  # when the set of listeners last grew
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids = _children(proc.pid)
+        job_ids = []
+        for pid in pids:
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
+        job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
+        secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
+        for pid in pids + [proc.pid]:
+            for port in _listening_ports(pid) - set(found) - unknown:
+                who = _identify(port, secrets, job_ids)
+                if who:
+                    found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2], dialect=who[3], pid=pid)
+                else:
+                    unknown.add(port)
+                settled = time.monotonic()
+        kinds = {t.listener for t in found.values()}
+        if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
+            break
+        time.sleep(0.5)
+    return list(found.values()), sorted(unknown)
 
 
 def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, timeout_s: float) -> list[dict]:
@@ -526,56 +802,33 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
             calm_rc, calm_log, _ = _train(args, os.path.join(tmp, "calm.json"), SECRET, timeout_s)
 
             def discover(proc):
-                found: dict[int, Target] = {}
-                unknown: set[int] = set()  # listening ports that answer no handshake of the job
-                deadline = time.monotonic() + min(timeout_s, 300)
-                settled = None  # when the set of listeners last grew
-                while time.monotonic() < deadline and proc.poll() is None:
-                    pids = _children(proc.pid)
-                    job_ids = []
-                    for pid in pids:
-                        try:
-                            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                        except OSError:
-                            continue
-                        job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
-                    job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
-                    secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
-                    for pid in pids + [proc.pid]:
-                        for port in _listening_ports(pid) - set(found) - unknown:
-                            who = _identify(port, secrets, job_ids)
-                            if who:
-                                found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2])
-                            else:
-                                unknown.add(port)
-                            settled = time.monotonic()
-                    kinds = {t.listener for t in found.values()}
-                    if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
-                        break
-                    time.sleep(0.5)
-                targets = list(found.values())
+                targets, unknown = _discover(proc, expected, timeout_s)
+                watch = Watch(targets)  # from here until the job ends
                 if proc.poll() is None and targets:
                     per = {k: max(1, cases_per_listener // sum(t.listener == k for t in targets))
                            for k in {t.listener for t in targets}}
                     fuzz(targets, per, seed, threads)
-                    for t in targets:
-                        t.dead = proc.poll() is None and not t.alive()
-                return targets, sorted(unknown)
+                return targets, unknown, watch
 
-            rc, log, (targets, unknown) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s, discover)
+            rc, log, (targets, unknown, watch) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s,
+                                                        discover)
+            watch.close(time.monotonic())
             calm, stormy = _final(os.path.join(tmp, "calm.json")), _final(os.path.join(tmp, "stormy.json"))
             marks = [m for m in CRASH_MARKS if m in log]
             for name in sorted({t.listener for t in targets or []}):
                 ts = [t for t in targets if t.listener == name]
+                silent = [{"port": t.port, "pid": t.pid, "silent_for_s": round(t.gone_at - t.silent_at, 2)}
+                          for t in ts if t.silent_at is not None]
                 records.append({"listener": name, "job": job, "cases": sum(t.cases for t in ts),
                                 "rejected": sum(t.rejected for t in ts), "admitted": sum((t.admitted for t in ts), []),
-                                "crashes": sum(getattr(t, "dead", False) for t in ts) + (rc != 0) + len(marks),
+                                "crashes": sum(map(Watch.crashed, ts)) + (rc != 0) + len(marks),
                                 "same_params": calm is not None and calm == stormy and calm_rc == 0,
-                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks})
+                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks,
+                                "silent_before_exit": silent})
             for port in unknown:  # listening, but without the job's handshake: fails the bar
                 records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
                                 "crashes": 0, "same_params": False,
-                                "error": "a listening socket of the job that answers no jaxodc-auth-v2 handshake"})
+                                "error": "a listening socket of the job that answers no handshake of the job"})
             if not targets:
                 records.append({"listener": None, "job": job, "cases": 0, "rejected": 0, "crashes": int(rc != 0),
                                 "same_params": False, "error": "no listener found", "log_tail": log[-2000:]})
