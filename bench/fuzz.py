@@ -756,8 +756,8 @@ TRAIN_JOBS = {
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
                "core dumped", "Fatal Python error", "was killed by")
 # Seconds from a listener's last answer to the end of its process that a normal shutdown may take
-# (the rank closes its listeners, then writes its records and leaves jax).
-SHUTDOWN_S = 30.0
+# (observed: under 1 s once the rendezvous stopped waiting for unauthenticated connections).
+SHUTDOWN_S = 10.0
 
 
 def _discover(proc, expected: set[str], timeout_s: float) -> tuple[list[Target], list[int]]:

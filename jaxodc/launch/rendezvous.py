@@ -89,6 +89,7 @@ class RendezvousServer:
         self._rounds: dict[tuple[str, int], _Round] = {}
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._ranks: set[socket.socket] = set()  # the authenticated ones among _conns
         self.requests = 0  # requests answered so far (lets tests see that waits are server-side)
         self._thread = threading.Thread(
             target=self._accept_loop, name=f"rendezvous-accept-{bound_port}", daemon=True
@@ -123,13 +124,16 @@ class RendezvousServer:
             return len(self._conns)
 
     def wait_for_disconnects(self, timeout_s: float) -> bool:
-        """Wait until every client has hung up (True) or timeout_s passed (False)."""
+        """Wait until every authenticated client has hung up (True) or timeout_s passed (False);
+        connections still in (or refused by) the handshake do not hold a rank's shutdown."""
         deadline = time.monotonic() + timeout_s
-        while self.num_connections:
+        while True:
+            with self._cond:
+                if not self._ranks:
+                    return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
-        return True
 
     def __enter__(self) -> "RendezvousServer":
         return self
@@ -177,6 +181,8 @@ class RendezvousServer:
                 log.warning("rendezvous %s: refused %s: %s", self.address, who, e)
                 return
             who = f"rank {rank} ({peer[0]}:{peer[1]})"
+            with self._cond:
+                self._ranks.add(conn)
             while True:
                 try:
                     msg = P.recv_frame(conn, MAX_FRAME, typed=False)
@@ -198,6 +204,7 @@ class RendezvousServer:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._ranks.discard(conn)
             conn.close()
 
     def _handle(self, msg: dict) -> dict:
