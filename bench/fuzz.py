@@ -748,10 +748,12 @@ def _secrets_of(pids: list[int]) -> list[bytes]:
     return list(dict.fromkeys(found))
 
 
-# job -> (its jaxodc train arguments, the listeners it opens)
+# job -> (its jaxodc train arguments, the listeners it opens, its minibatches unless --steps says):
+# enough for the default --cases to reach every listener before the job ends (about 200 cases/s).
 TRAIN_JOBS = {
-    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}),
-    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"}),
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}, 800),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"},
+              1600),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
                "core dumped", "Fatal Python error", "was killed by")
@@ -794,12 +796,16 @@ def _discover(proc, expected: set[str], timeout_s: float) -> tuple[list[Target],
     return list(found.values()), sorted(unknown)
 
 
-def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, timeout_s: float) -> list[dict]:
+def run_train(cases_per_listener: int, steps: int | None, seed: int, threads: int, timeout_s: float,
+              jobs=None) -> list[dict]:
     records = []
-    for job, (job_args, expected) in TRAIN_JOBS.items():
-        args = job_args + ["--steps", str(steps), "--seed", str(seed)]
+    for job in jobs or TRAIN_JOBS:
+        job_args, expected, job_steps = TRAIN_JOBS[job]
+        args = job_args + ["--steps", str(steps or job_steps), "--seed", str(seed)]
         with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.monotonic()
             calm_rc, calm_log, _ = _train(args, os.path.join(tmp, "calm.json"), SECRET, timeout_s)
+            t1 = time.monotonic()
 
             def discover(proc):
                 targets, unknown = _discover(proc, expected, timeout_s)
@@ -812,7 +818,8 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
 
             rc, log, (targets, unknown, watch) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s,
                                                         discover)
-            watch.close(time.monotonic())
+            t2 = time.monotonic()
+            watch.close(t2)
             calm, stormy = _final(os.path.join(tmp, "calm.json")), _final(os.path.join(tmp, "stormy.json"))
             marks = [m for m in CRASH_MARKS if m in log]
             for name in sorted({t.listener for t in targets or []}):
@@ -824,7 +831,7 @@ def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, time
                                 "crashes": sum(map(Watch.crashed, ts)) + (rc != 0) + len(marks),
                                 "same_params": calm is not None and calm == stormy and calm_rc == 0,
                                 "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks,
-                                "silent_before_exit": silent})
+                                "silent_before_exit": silent, "seconds": [round(t1 - t0, 1), round(t2 - t1, 1)]})
             for port in unknown:  # listening, but without the job's handshake: fails the bar
                 records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
                                 "crashes": 0, "same_params": False,
@@ -856,7 +863,8 @@ def _args(argv):
     p.add_argument("--jobs", default="native", help="native (the C++ listeners, in this process) and/or train "
                                                     "(jaxodc train runs: every listener), comma separated")
     p.add_argument("--cases", type=int, default=2000, help="fuzz cases per listener and job")
-    p.add_argument("--steps", type=int, default=60, help="minibatches of each job")
+    p.add_argument("--steps", type=int, help="minibatches of each job (default: 60 for the native job, "
+                                             "TRAIN_JOBS' own for the train jobs)")
     p.add_argument("--threads", type=int, default=8, help="concurrent fuzz connections")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds a train job may take")
@@ -872,7 +880,7 @@ def main(argv=None) -> int:
             print(f"jaxodc bench fuzz: unknown job kind {j!r} (native, train)", file=sys.stderr)
             return 2
     if "native" in jobs:
-        records += run_native(a.cases, a.steps, a.seed, a.threads)
+        records += run_native(a.cases, a.steps or 60, a.seed, a.threads)
     if "train" in jobs:
         records += run_train(a.cases, a.steps, a.seed, a.threads, a.timeout)
     merged = _merge(records)
