@@ -1,6 +1,8 @@
 """`jaxodc bench fuzz` on the native listeners (a bounded number of cases): every case against the
 ODC tcp server, the lock-step tcp links and the ring endpoints of a running 2-rank job is rejected,
-no listener dies, and the disturbed job's results are bit-identical to an undisturbed run's."""
+no listener dies, and the disturbed job's results are bit-identical to an undisturbed run's; the
+generic cases against a Python listener, the coord dialect against a coordination service, and the
+rule that tells a listener's crash from its rank's shutdown."""
 import json
 
 from jaxodc import auth
@@ -88,7 +90,6 @@ def test_every_coord_case_kind_is_refused_by_the_coordination_service():
 def test_a_listener_counts_as_crashed_only_when_its_process_outlives_its_silence():
     """The crash rule of train jobs: a listener closed by its process's shutdown (the process ends
     within SHUTDOWN_S) is not a crash; one that stops answering while its process runs on is."""
-    import socket
     import subprocess
     import sys
     import time
