@@ -6,7 +6,7 @@ rule that tells a listener's crash from its rank's shutdown."""
 import json
 
 from jaxodc import auth
-from jaxodc.bench import fuzz
+from jaxodc.bench import fuzz, fuzz_cases
 
 
 def test_native_listeners_reject_every_case_and_the_job_is_undisturbed(tmp_path, capsys):
@@ -40,18 +40,18 @@ def test_every_case_kind_is_refused_by_a_python_listener_too():
                 return
             with c:
                 try:
-                    admitted.append(auth.server_handshake(c, fuzz.SECRET, "coord", "jz", 2, timeout_s=2))
+                    admitted.append(auth.server_handshake(c, fuzz_cases.SECRET, "coord", "jz", 2, timeout_s=2))
                 except (auth.AuthError, OSError):
                     pass
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
-    t = fuzz.Target("coord", "127.0.0.1", port, "jz", 2, fuzz.SECRET)
+    t = fuzz_cases.Target("coord", "127.0.0.1", port, "jz", 2, fuzz_cases.SECRET)
     stale = []
-    for i, kind in enumerate(fuzz.KINDS * 3):
-        t.count(kind, bool(fuzz.run_case(t, kind, random.Random(i), stale)))
+    for i, kind in enumerate(fuzz_cases.KINDS * 3):
+        t.count(kind, bool(fuzz_cases.run_case(t, kind, random.Random(i), stale)))
     srv.close()
-    assert t.cases == 3 * len(fuzz.KINDS) and t.rejected == t.cases and not admitted, t.admitted
+    assert t.cases == 3 * len(fuzz_cases.KINDS) and t.rejected == t.cases and not admitted, t.admitted
 
 
 def test_every_coord_case_kind_is_refused_by_the_coordination_service():
@@ -64,16 +64,16 @@ def test_every_coord_case_kind_is_refused_by_the_coordination_service():
     from jaxodc.coord import protocol as P
     from jaxodc.coord.service import CoordinatorService
 
-    svc = CoordinatorService("127.0.0.1", 0, fuzz.SECRET, auth_timeout_s=2.0).start()
+    svc = CoordinatorService("127.0.0.1", 0, fuzz_cases.SECRET, auth_timeout_s=2.0).start()
     try:
         host, port = P.parse_address(svc.address)
         assert fuzz._dialect(port) == "coord"
-        assert fuzz._coord_secret(port, [b"not the secret", fuzz.SECRET]) == fuzz.SECRET
-        t = fuzz.Target("coord", host, port, "", 2, fuzz.SECRET, dialect="coord")
+        assert fuzz._coord_secret(port, [b"not the secret", fuzz_cases.SECRET]) == fuzz_cases.SECRET
+        t = fuzz_cases.Target("coord", host, port, "", 2, fuzz_cases.SECRET, dialect="coord")
         stale = []
-        for i, kind in enumerate(fuzz.COORD_KINDS * 3):
-            t.count(kind, bool(fuzz.run_coord_case(t, kind, random.Random(i), stale)))
-        assert t.cases == 3 * len(fuzz.COORD_KINDS) and t.rejected == t.cases and not t.admitted, t.admitted
+        for i, kind in enumerate(fuzz_cases.COORD_KINDS * 3):
+            t.count(kind, bool(fuzz_cases.run_coord_case(t, kind, random.Random(i), stale)))
+        assert t.cases == 3 * len(fuzz_cases.COORD_KINDS) and t.rejected == t.cases and not t.admitted, t.admitted
         # every case, the dialect probe and the two secret probes failed authentication, none joined
         # (an idle case's end reaches the service after the case returns: wait for it)
         deadline = time.monotonic() + 10
@@ -85,11 +85,11 @@ def test_every_coord_case_kind_is_refused_by_the_coordination_service():
         assert t.alive()
         with socket.create_connection((host, port), timeout=5) as s:
             s.settimeout(5)
-            w = P.client_handshake(s, fuzz.SECRET, {"group": 0, "ring_addr": "127.0.0.1:1", "ss_addr": "127.0.0.1:2"})
+            w = P.client_handshake(s, fuzz_cases.SECRET, {"group": 0, "ring_addr": "127.0.0.1:1", "ss_addr": "127.0.0.1:2"})
             assert w["t"] == P.Msg.WELCOME and isinstance(w["peer_id"], int)
     finally:
         svc.stop()
-    assert fuzz.run_coord_case(t, "random", random.Random(0), []) is None  # nothing listens: not a case
+    assert fuzz_cases.run_coord_case(t, "random", random.Random(0), []) is None  # nothing listens: not a case
 
 
 def test_a_listener_counts_as_crashed_only_when_its_process_outlives_its_silence():
@@ -118,7 +118,7 @@ def test_a_listener_counts_as_crashed_only_when_its_process_outlives_its_silence
         proc = subprocess.Popen([sys.executable, "-c", code, str(hold)], stdout=subprocess.PIPE, text=True)
         try:
             port = int(proc.stdout.readline())
-            t = fuzz.Target("odc_tcp", "127.0.0.1", port, "jz", 2, fuzz.SECRET, pid=proc.pid)
+            t = fuzz_cases.Target("odc_tcp", "127.0.0.1", port, "jz", 2, fuzz_cases.SECRET, pid=proc.pid)
             watch = fuzz.Watch([t], period=0.2)
             assert t.alive()
             if hold:  # no need to wait out the hold: the verdict is due once the silence is that old
