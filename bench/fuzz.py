@@ -1,12 +1,20 @@
-"""`jaxodc bench fuzz`: a protocol fuzzer for every listener of a jaxodc job.
+"""`jaxodc bench fuzz`: a protocol fuzzer for every listener of a jaxodc job (its cases:
+bench/fuzz_cases.py).
 
-Every listener (`jaxodc.auth.LISTENERS`) starts with the same jaxodc-auth-v2 handshake, so the
-unauthenticated cases are generic: random bytes, truncated and oversized handshake replies,
-claimed ranks and lengths at the edges of their integer types, valid-looking transcripts replayed
-with a stale nonce, a wrong or missing secret, another listener's or job's tags, and idle
-connections held open. A case is *rejected* when the listener ends the connection (or lets it
-time out) without proving the secret; a listener that ever sends a valid proof to one of these
-peers has let an unauthenticated peer in.
+Every listener but the coordination service (`jaxodc.auth.LISTENERS`) starts with the same
+jaxodc-auth-v2 handshake, so their unauthenticated cases are generic (`fuzz_cases.KINDS`): random
+bytes, truncated and oversized handshake replies, claimed ranks and lengths at the edges of their
+integer types, valid-looking transcripts replayed with a stale nonce, a wrong or missing secret,
+another listener's or job's tags, and idle connections held open. A case is *rejected* when the
+listener ends the connection (or lets it time out) without proving the secret; a listener that
+ever sends a valid proof to one of these peers has let an unauthenticated peer in.
+
+The coordination service (`coord`) speaks its own dialect (jaxodc-coord-v2, `jaxodc.coord.protocol`:
+length-prefixed msgpack frames, HMAC over both nonces and the client's claims); its cases
+(`fuzz_cases.COORD_KINDS`) are random bytes, truncated frames, length prefixes at and beyond the
+auth frame's limit, auth frames with a wrong secret, without a mac or nonce, over a stale nonce,
+replayed byte for byte, with the wrong type or claims, bodies that are not maps, and idle
+connections. A case is rejected when the service ends the connection without a welcome.
 
 Two kinds of job are disturbed, each compared with an undisturbed run of the same job:
 
@@ -18,14 +26,17 @@ Two kinds of job are disturbed, each compared with an undisturbed run of the sam
 - ``--jobs train``: 2-rank ``jaxodc train`` runs (ODC over tcp: `odc_tcp`, `rendezvous`; two sites
   of DiLoCo: `coord`, `ring`, `shared_state`); their listening ports are found from the ranks'
   sockets (/proc) and told apart by a handshake with the job secret. `same_params` compares the
-  runs' ``params_sha256`` when their records carry it, else their final losses.
+  runs' ``params_sha256`` (the sites': the sha256 of their final shards).
 
 One record per listener: {"listener", "cases", "rejected", "crashes", "same_params"}; `crashes`
-counts ranks or listeners that died (a listener that stops answering, a rank that exits non-zero
-or logs a sanitizer report). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
+counts ranks that exit non-zero or by a signal or log a sanitizer report, and listeners that stop
+answering while their rank still runs: the native job's are probed before its ranks may close;
+a train job's throughout the job (`Watch`), where one that falls silent counts only if its
+process outlives the silence by more than `SHUTDOWN_S` (a rank closes its listeners in its normal
+shutdown, just before it exits 0). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
 
     python -m jaxodc bench fuzz --json fuzz.json                 # native listeners
-    python -m jaxodc bench fuzz --jobs native,train --json fuzz.json
+    python -m jaxodc bench fuzz --jobs native,train --json fuzz.json   # every listener: ~18 000 cases
 """
 from __future__ import annotations
 
@@ -35,7 +46,6 @@ import hashlib
 import itertools
 import json
 import os
-import random
 import re
 import socket
 import struct
@@ -44,189 +54,12 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from jaxodc import auth
-
-SECRET = bytes.fromhex("6a61786f64632d66757a7a2d7365637265742d30303031")
-MAGIC_LEN = len(auth.MAGIC) + auth.NONCE_BYTES
-REPLY_LEN = auth.NONCE_BYTES + 4 + auth.TAG_BYTES
-RANK_EDGES = (0, 1, 2, 3, 127, 128, 255, 256, (1 << 15) - 1, 1 << 15, (1 << 20) - 1, 1 << 20,
-              (1 << 31) - 1, 1 << 31, (1 << 32) - 1)
-LEN_EDGES = (0, 1, 3, 4, 35, 36, 37, 67, 68, 69, 100, 4095, 4096, 65536)
-KINDS = ("random", "truncated", "oversized", "rank_edge", "wrong_secret", "no_secret", "stale_nonce",
-         "replay", "other_listener", "other_job", "bad_magic_echo", "idle")
-
-
-# -- one case ---------------------------------------------------------------------------------------
-
-class Target:
-    """One listener of the job: where it listens and what a rank of the job would prove to it."""
-
-    def __init__(self, listener: str, host: str, port: int, job_id: str, world: int, secret: bytes):
-        self.listener, self.host, self.port = listener, host, port
-        self.job_id, self.world, self.secret = job_id, world, secret
-        self.cases = self.rejected = 0
-        self.admitted: list[str] = []  # kinds of case a listener let in (must stay empty)
-        self.lock = threading.Lock()
-
-    def count(self, kind: str, rejected: bool) -> None:
-        with self.lock:
-            self.cases += 1
-            self.rejected += bool(rejected)
-            if not rejected:
-                self.admitted.append(kind)
-
-    def alive(self) -> bool:
-        """The listener still answers a connection with its challenge."""
-        try:
-            with socket.create_connection((self.host, self.port), timeout=5) as s:
-                s.settimeout(5)
-                return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
-        except OSError:
-            return False
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
-def _reply(t: Target, nonce_s: bytes, rank: int, secret: bytes, listener: str | None = None,
-           job_id: str | None = None) -> bytes:
-    nc = os.urandom(auth.NONCE_BYTES)
-    tag = auth.tag(secret, "client", listener or t.listener, t.job_id if job_id is None else job_id,
-                   rank, nonce_s, nc)
-    return nc + struct.pack("<I", rank) + tag
-
-
-def _proved(t: Target, s: socket.socket, nonce_s: bytes, reply: bytes) -> bool:
-    """Whether the listener answered `reply` with a valid proof of the secret (it must not)."""
-    try:
-        s.settimeout(10)
-        proof = _recv_exact(s, auth.TAG_BYTES)
-    except OSError:
-        return False
-    if len(proof) < auth.TAG_BYTES:
-        return False
-    rank = struct.unpack("<I", reply[auth.NONCE_BYTES:auth.NONCE_BYTES + 4])[0]
-    try:
-        return proof == auth.tag(t.secret, "server", t.listener, t.job_id, rank, nonce_s, reply[:auth.NONCE_BYTES])
-    except ValueError:
-        return True  # any answer to a rank no listener may admit
-
-
-def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
-    """Runs one case against `t`; True when it was rejected, None when nothing listens any more."""
-    try:
-        s = socket.create_connection((t.host, t.port), timeout=10)
-    except ConnectionRefusedError:
-        return None
-    except OSError:
-        return True
-    with s:
-        s.settimeout(10)
-        try:
-            hello = _recv_exact(s, MAGIC_LEN)
-            if len(hello) < MAGIC_LEN or hello[:4] != auth.MAGIC:
-                return True
-            ns = hello[4:]
-            rank = rng.randrange(t.world)
-            if kind == "random":
-                s.sendall(os.urandom(rng.choice(LEN_EDGES + (rng.randrange(1, 2048),))))
-                s.shutdown(socket.SHUT_WR)
-                return not _answered_with_proof(s)
-            if kind == "truncated":
-                s.sendall(_reply(t, ns, rank, t.secret)[:rng.randrange(REPLY_LEN)])
-                s.shutdown(socket.SHUT_WR)
-                return not _answered_with_proof(s)
-            if kind == "oversized":  # a garbage reply followed by far more bytes than any frame
-                s.sendall(os.urandom(REPLY_LEN))
-                try:
-                    s.sendall(os.urandom(rng.choice((4096, 1 << 16, 1 << 20))))
-                except OSError:
-                    return True
-                s.shutdown(socket.SHUT_WR)
-                return not _answered_with_proof(s)
-            if kind == "rank_edge":  # a claimed rank at an integer edge, tag from a wrong secret
-                r = rng.choice(RANK_EDGES)
-                nc = os.urandom(auth.NONCE_BYTES)
-                reply = nc + struct.pack("<I", r) + os.urandom(auth.TAG_BYTES)
-                s.sendall(reply)
-                return not _proved(t, s, ns, reply)
-            if kind in ("wrong_secret", "no_secret"):
-                secret = b"" if kind == "no_secret" else os.urandom(rng.choice((1, 16, 32, 100)))
-                reply = _reply(t, ns, rank, secret)
-                s.sendall(reply)
-                return not _proved(t, s, ns, reply)
-            if kind in ("stale_nonce", "replay"):
-                # A reply the job secret made for an earlier challenge: replayed byte for byte, or
-                # re-tagged over that earlier (stale) nonce.
-                old_ns = stale[0] if stale else os.urandom(auth.NONCE_BYTES)
-                stale[:] = [ns]
-                reply = _reply(t, old_ns, rank, t.secret)
-                s.sendall(reply)
-                return not _proved(t, s, ns, reply)
-            if kind == "other_listener":
-                other = rng.choice([x for x in auth.LISTENERS if x != t.listener])
-                reply = _reply(t, ns, rank, t.secret, listener=other)
-                s.sendall(reply)
-                return not _proved(t, s, ns, reply)
-            if kind == "other_job":
-                reply = _reply(t, ns, rank, t.secret, job_id=t.job_id + "x")
-                s.sendall(reply)
-                return not _proved(t, s, ns, reply)
-            if kind == "bad_magic_echo":  # the server's own challenge sent back
-                s.sendall(hello + hello[:REPLY_LEN - MAGIC_LEN])
-                s.shutdown(socket.SHUT_WR)
-                return not _answered_with_proof(s)
-            if kind == "idle":  # held open without a word, then dropped
-                time.sleep(rng.uniform(0.2, 1.0))
-                return True
-            raise ValueError(kind)
-        except OSError:
-            return True  # the listener ended the connection
-
-
-def _answered_with_proof(s: socket.socket) -> bool:
-    """After garbage: anything but the end of the connection is an answer it must not give."""
-    try:
-        s.settimeout(10)
-        return len(_recv_exact(s, auth.TAG_BYTES)) == auth.TAG_BYTES
-    except OSError:
-        return False
-
-
-def fuzz(targets: list[Target], cases, seed: int = 0, threads: int = 8,
-         stop: threading.Event | None = None) -> None:
-    """Runs `cases` cases (or {listener: cases}) against every target, spread over the kinds of case,
-    all targets at once. Cases that find the listener gone (the job ended) are not counted."""
-    work = []
-    for i, t in enumerate(targets):
-        rng = random.Random(seed * 1000 + i)
-        n = cases if isinstance(cases, int) else cases[t.listener]
-        work += [(t, KINDS[k % len(KINDS)], random.Random(rng.random())) for k in range(n)]
-    random.Random(seed).shuffle(work)
-    stale: dict[str, list] = {t.listener + str(t.port): [] for t in targets}
-
-    def one(item):
-        t, kind, rng = item
-        if stop is not None and stop.is_set():
-            return
-        rejected = run_case(t, kind, rng, stale[t.listener + str(t.port)])
-        if rejected is not None:
-            t.count(kind, rejected)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, work))
-
+from jaxodc.bench.fuzz_cases import SECRET, Target, _coord_auth, _coord_challenge, _recv_exact, fuzz
+from jaxodc.coord import protocol as P
 
 # -- the native job (in this process) -----------------------------------------------------------------
 
@@ -418,19 +251,56 @@ def _children(pid: int) -> list[int]:
     return out + [g for c in out for g in _children(c)]
 
 
-def _speaks_v2(port: int) -> bool:
+def _dialect(port: int) -> str | None:
+    """What a listener says first: "v2" (a jaxodc-auth-v2 challenge), "coord" (a jaxodc-coord-v2
+    challenge frame) or None (nothing we know)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.settimeout(2)
-            return _recv_exact(s, MAGIC_LEN)[:4] == auth.MAGIC
-    except OSError:
-        return False
+            head = _recv_exact(s, 4)
+            if head == auth.MAGIC:
+                return "v2"
+            (n,) = P.HEADER.unpack(head) if len(head) == 4 else (0,)
+            if 0 < n <= P.AUTH_FRAME_MAX:
+                chal = P.decode(_recv_exact(s, n))
+                if chal.get("t") == P.Msg.CHALLENGE and chal.get("v") == P.PROTOCOL_VERSION:
+                    return "coord"
+    except (OSError, P.ProtocolError, struct.error):
+        pass
+    return None
 
 
-def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes] | None:
-    """Which listener, job id and secret answer a handshake on `port`; None when none does (a listener
-    that does not challenge its peers at all among them)."""
-    if not _speaks_v2(port):
+def _coord_secret(port: int, secrets: list[bytes]) -> bytes | None:
+    """Which of `secrets` the coordination service on `port` holds, found without joining it: an auth
+    frame with a right mac but no claims is dropped in silence, one with a wrong mac is refused
+    with an error frame."""
+    for secret in secrets:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.settimeout(5)
+                chal = _coord_challenge(s)
+                if chal is None:
+                    return None
+                s.sendall(P.pack(_coord_auth(secret, chal["nonce"], {})))
+                try:
+                    answer = P.recv_frame(s)
+                except (P.ProtocolError, ConnectionError):
+                    return secret
+                if answer.get("t") == P.Msg.WELCOME:
+                    raise RuntimeError(f"the coordination service on port {port} welcomed a peer without claims")
+        except OSError:
+            continue
+    return None
+
+
+def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str, str, bytes, str] | None:
+    """Which listener, job id, secret and dialect answer a handshake on `port`; None when none does (a
+    listener that does not challenge its peers at all among them)."""
+    dialect = _dialect(port)
+    if dialect == "coord":
+        secret = _coord_secret(port, secrets)
+        return None if secret is None else ("coord", "", secret, "coord")
+    if dialect != "v2":
         return None
     for secret in secrets:
         for job in job_ids:
@@ -438,10 +308,63 @@ def _identify(port: int, secrets: list[bytes], job_ids: list[str]) -> tuple[str,
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                         auth.client_handshake(s, secret, name, job, 0, timeout_s=5)
-                        return name, job, secret
+                        return name, job, secret, "v2"
                 except (OSError, auth.AuthError):
                     continue
     return None
+
+
+def _running(pid: int) -> bool:
+    """Process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class Watch:
+    """Probes every listener of a running job each `period` s, from the moment they are found until
+    the job ends: when each first stopped answering (two probes in a row) and when its process
+    ended. A listener that stops answering while its process lives on is a crash; one that stops
+    within `SHUTDOWN_S` of its process's end was closed by that process's shutdown."""
+
+    def __init__(self, targets: list[Target], period: float = 1.0):
+        self.targets, self.period = targets, period
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="fuzz-watch")
+        self.thread.start()
+
+    def _run(self) -> None:
+        failed: dict[int, float] = {}  # id(target) -> when the current run of failed probes began
+        while True:
+            for t in self.targets:
+                now = time.monotonic()
+                if t.pid is not None and t.gone_at is None and not _running(t.pid):
+                    t.gone_at = now
+                if t.silent_at is not None:
+                    continue
+                if t.alive(timeout_s=10):
+                    failed.pop(id(t), None)
+                elif id(t) in failed:
+                    t.silent_at = failed[id(t)]
+                else:
+                    failed[id(t)] = now
+            if self.stop.wait(self.period):
+                return
+
+    def close(self, job_ended_at: float) -> None:
+        """Stops probing; a process still found running now ended with the job."""
+        self.stop.set()
+        self.thread.join(60)
+        for t in self.targets:
+            if t.gone_at is None:
+                t.gone_at = job_ended_at
+
+    @staticmethod
+    def crashed(t: Target) -> bool:
+        """`t` stopped answering and its process lived on for more than SHUTDOWN_S."""
+        return t.silent_at is not None and (t.gone_at is None or t.gone_at - t.silent_at > SHUTDOWN_S)
 
 
 def _train(args: list[str], json_path: str, secret: bytes, timeout_s: float, discover=None):
@@ -509,73 +432,94 @@ def _secrets_of(pids: list[int]) -> list[bytes]:
     return list(dict.fromkeys(found))
 
 
-# job -> (its jaxodc train arguments, the listeners it opens)
+# job -> (its jaxodc train arguments, the listeners it opens, its minibatches unless --steps says):
+# enough for the default --cases to reach every listener before the job ends (about 200 cases/s).
 TRAIN_JOBS = {
-    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}),
-    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"}),
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}, 800),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"},
+              1600),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
-               "core dumped", "Fatal Python error")
+               "core dumped", "Fatal Python error", "was killed by")
+# Seconds from a listener's last answer to the end of its process that a normal shutdown may take
+# (observed: under 1 s once the rendezvous stopped waiting for unauthenticated connections).
+SHUTDOWN_S = 10.0
 
 
-def run_train(cases_per_listener: int, steps: int, seed: int, threads: int, timeout_s: float) -> list[dict]:
+def _discover(proc, expected: set[str], timeout_s: float) -> tuple[list[Target], list[int]]:
+    """The listeners of the running job `proc` (found in /proc, told apart by a handshake with the job
+    secret), once every `expected` one is up or none has appeared for 15 s; and the ports that
+    answer no handshake of the job."""
+    found: dict[int, Target] = {}
+    unknown: set[int] = set()
+    deadline = time.monotonic() + min(timeout_s, 300)
+    settled = None  # when the set of listeners last grew
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids = _children(proc.pid)
+        job_ids = []
+        for pid in pids:
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
+        job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
+        secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
+        for pid in pids + [proc.pid]:
+            for port in _listening_ports(pid) - set(found) - unknown:
+                who = _identify(port, secrets, job_ids)
+                if who:
+                    found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2], dialect=who[3], pid=pid)
+                else:
+                    unknown.add(port)
+                settled = time.monotonic()
+        kinds = {t.listener for t in found.values()}
+        if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
+            break
+        time.sleep(0.5)
+    return list(found.values()), sorted(unknown)
+
+
+def run_train(cases_per_listener: int, steps: int | None, seed: int, threads: int, timeout_s: float,
+              jobs=None) -> list[dict]:
     records = []
-    for job, (job_args, expected) in TRAIN_JOBS.items():
-        args = job_args + ["--steps", str(steps), "--seed", str(seed)]
+    for job in jobs or TRAIN_JOBS:
+        job_args, expected, job_steps = TRAIN_JOBS[job]
+        args = job_args + ["--steps", str(steps or job_steps), "--seed", str(seed)]
         with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.monotonic()
             calm_rc, calm_log, _ = _train(args, os.path.join(tmp, "calm.json"), SECRET, timeout_s)
+            t1 = time.monotonic()
 
             def discover(proc):
-                found: dict[int, Target] = {}
-                unknown: set[int] = set()  # listening ports that answer no handshake of the job
-                deadline = time.monotonic() + min(timeout_s, 300)
-                settled = None  # when the set of listeners last grew
-                while time.monotonic() < deadline and proc.poll() is None:
-                    pids = _children(proc.pid)
-                    job_ids = []
-                    for pid in pids:
-                        try:
-                            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                        except OSError:
-                            continue
-                        job_ids += [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"JAXODC_JOB_ID=")]
-                    job_ids = sorted(set(job_ids)) + ["group0", "group1", ""]
-                    secrets = _secrets_of(pids + [proc.pid]) + [SECRET]
-                    for pid in pids + [proc.pid]:
-                        for port in _listening_ports(pid) - set(found) - unknown:
-                            who = _identify(port, secrets, job_ids)
-                            if who:
-                                found[port] = Target(who[0], "127.0.0.1", port, who[1], 2, who[2])
-                            else:
-                                unknown.add(port)
-                            settled = time.monotonic()
-                    kinds = {t.listener for t in found.values()}
-                    if kinds >= expected or (kinds and time.monotonic() - settled > 15):  # every listener is up
-                        break
-                    time.sleep(0.5)
-                targets = list(found.values())
+                targets, unknown = _discover(proc, expected, timeout_s)
+                watch = Watch(targets)  # from here until the job ends
                 if proc.poll() is None and targets:
                     per = {k: max(1, cases_per_listener // sum(t.listener == k for t in targets))
                            for k in {t.listener for t in targets}}
                     fuzz(targets, per, seed, threads)
-                    for t in targets:
-                        t.dead = proc.poll() is None and not t.alive()
-                return targets, sorted(unknown)
+                return targets, unknown, watch
 
-            rc, log, (targets, unknown) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s, discover)
+            rc, log, (targets, unknown, watch) = _train(args, os.path.join(tmp, "stormy.json"), SECRET, timeout_s,
+                                                        discover)
+            t2 = time.monotonic()
+            watch.close(t2)
             calm, stormy = _final(os.path.join(tmp, "calm.json")), _final(os.path.join(tmp, "stormy.json"))
             marks = [m for m in CRASH_MARKS if m in log]
             for name in sorted({t.listener for t in targets or []}):
                 ts = [t for t in targets if t.listener == name]
+                silent = [{"port": t.port, "pid": t.pid, "silent_for_s": round(t.gone_at - t.silent_at, 2)}
+                          for t in ts if t.silent_at is not None]
                 records.append({"listener": name, "job": job, "cases": sum(t.cases for t in ts),
                                 "rejected": sum(t.rejected for t in ts), "admitted": sum((t.admitted for t in ts), []),
-                                "crashes": sum(getattr(t, "dead", False) for t in ts) + (rc != 0) + len(marks),
+                                "crashes": sum(map(Watch.crashed, ts)) + (rc != 0) + len(marks),
                                 "same_params": calm is not None and calm == stormy and calm_rc == 0,
-                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks})
+                                "compared": [calm, stormy], "exit": [calm_rc, rc], "marks": marks,
+                                "silent_before_exit": silent, "seconds": [round(t1 - t0, 1), round(t2 - t1, 1)]})
             for port in unknown:  # listening, but without the job's handshake: fails the bar
                 records.append({"listener": f"unauthenticated:{port}", "job": job, "cases": 0, "rejected": 0,
                                 "crashes": 0, "same_params": False,
-                                "error": "a listening socket of the job that answers no jaxodc-auth-v2 handshake"})
+                                "error": "a listening socket of the job that answers no handshake of the job"})
             if not targets:
                 records.append({"listener": None, "job": job, "cases": 0, "rejected": 0, "crashes": int(rc != 0),
                                 "same_params": False, "error": "no listener found", "log_tail": log[-2000:]})
@@ -603,7 +547,8 @@ def _args(argv):
     p.add_argument("--jobs", default="native", help="native (the C++ listeners, in this process) and/or train "
                                                     "(jaxodc train runs: every listener), comma separated")
     p.add_argument("--cases", type=int, default=2000, help="fuzz cases per listener and job")
-    p.add_argument("--steps", type=int, default=60, help="minibatches of each job")
+    p.add_argument("--steps", type=int, help="minibatches of each job (default: 60 for the native job, "
+                                             "TRAIN_JOBS' own for the train jobs)")
     p.add_argument("--threads", type=int, default=8, help="concurrent fuzz connections")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds a train job may take")
@@ -619,7 +564,7 @@ def main(argv=None) -> int:
             print(f"jaxodc bench fuzz: unknown job kind {j!r} (native, train)", file=sys.stderr)
             return 2
     if "native" in jobs:
-        records += run_native(a.cases, a.steps, a.seed, a.threads)
+        records += run_native(a.cases, a.steps or 60, a.seed, a.threads)
     if "train" in jobs:
         records += run_train(a.cases, a.steps, a.seed, a.threads, a.timeout)
     merged = _merge(records)

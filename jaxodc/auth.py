@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import socket
 import struct
@@ -32,7 +33,7 @@ import time
 __all__ = [
     "AuthError", "MAGIC", "NONCE_BYTES", "TAG_BYTES", "LISTENERS", "SECRET_ENV", "SECRET_FILE_ENV",
     "new_secret", "read_secret_file", "secret_from_env", "tag", "client_handshake",
-    "server_handshake", "is_loopback", "require_secret_for_bind",
+    "server_handshake", "is_loopback", "require_secret_for_bind", "Refusals",
 ]
 
 MAGIC = b"JXA2"
@@ -173,3 +174,60 @@ def server_handshake(sock: socket.socket, secret: bytes, listener: str, job_id: 
         return rank
     finally:
         sock.settimeout(old)
+
+
+class Refusals:
+    """The bounded connections of a Python listener and what it refuses (over the limit, a failed
+    handshake, a broken frame): each refusal counted and logged with the peer's address, as the
+    C++ listeners' RefusalLog does.
+
+    Args:
+        what: the listener, as its log lines name it (e.g. "rendezvous 127.0.0.1:5555").
+        lock: the listener's lock over `conns` (held inside these methods, never by their caller).
+        max_connections: connections held at once.
+        logger: where the refusals are logged.
+    """
+
+    def __init__(self, what: str, lock, max_connections: int, logger: logging.Logger):
+        self.what, self.lock, self.max_connections, self.log = what, lock, int(max_connections), logger
+        self.conns: set[socket.socket] = set()
+        self.count = 0
+
+    @staticmethod
+    def _peer(peer) -> str:
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    def admit(self, conn: socket.socket, peer, closing=lambda: False) -> bool:
+        """Holds a just-accepted `conn`, or closes it: refused (counted) when the listener is full,
+        silently once `closing()` (evaluated under the lock)."""
+        with self.lock:
+            if closing():
+                full = None
+            elif len(self.conns) >= self.max_connections:
+                full = True
+                self.count += 1
+            else:
+                full = False
+                self.conns.add(conn)
+        if full:
+            self.log.warning("%s: refused %s: already %d connections", self.what, self._peer(peer),
+                             self.max_connections)
+        if full is not False:
+            conn.close()
+        return full is False
+
+    def release(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.conns.discard(conn)
+
+    def refused(self, peer, why) -> None:
+        """`peer` failed the handshake."""
+        with self.lock:
+            self.count += 1
+        self.log.warning("%s: refused %s: %s", self.what, self._peer(peer), why)
+
+    def dropped(self, peer, why) -> None:
+        """An authenticated `peer` broke the protocol: its connection is closed."""
+        with self.lock:
+            self.count += 1
+        self.log.warning("%s: closing connection from %s: %s", self.what, self._peer(peer), why)

@@ -83,3 +83,28 @@ def test_secret_sources(tmp_path):
         auth.require_secret_for_bind(b"", "", "x")
     with pytest.raises(auth.AuthError):
         auth.require_secret_for_bind(b"", "0.0.0.0", "x")
+
+
+def test_refusals_bound_the_connections_and_count_every_refusal(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="jaxodc.test.refusals")
+    r = auth.Refusals("listener X", threading.Lock(), 2, logging.getLogger("jaxodc.test.refusals"))
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        assert r.admit(pairs[0][0], ("127.0.0.1", 1)) and r.admit(pairs[1][0], ("127.0.0.1", 2))
+        assert not r.admit(pairs[2][0], ("127.0.0.1", 3))  # over the limit: closed, counted
+        assert pairs[2][0].fileno() == -1 and r.count == 1 and len(r.conns) == 2
+        assert "listener X: refused 127.0.0.1:3: already 2 connections" in caplog.text
+        r.release(pairs[0][0])
+        assert not r.admit(pairs[3][0], ("127.0.0.1", 4), closing=lambda: True)  # closing: closed, not counted
+        assert pairs[3][0].fileno() == -1 and r.count == 1 and len(r.conns) == 1
+        r.refused(("127.0.0.1", 5), "wrong secret for claimed rank 1")
+        r.dropped("rank 1 (127.0.0.1:2)", "frame length 9 exceeds the limit")
+        assert r.count == 3
+        assert "listener X: refused 127.0.0.1:5: wrong secret for claimed rank 1" in caplog.text
+        assert "listener X: closing connection from rank 1 (127.0.0.1:2): frame length 9 exceeds" in caplog.text
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

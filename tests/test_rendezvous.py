@@ -270,6 +270,29 @@ def test_connection_limit_and_close_wakes_idle_readers():
                 s.close()
 
 
+def test_unauthenticated_connections_do_not_hold_the_shutdown_wait():
+    """Rank 0's shutdown waits for the ranks to hang up, not for a stranger's idle connection."""
+    with RendezvousServer(secret=SECRET, job_id="jw", world=2) as server:
+        host, port = server.address.rsplit(":", 1)
+        stranger = socket.create_connection((host, int(port)), timeout=5)  # silent in the handshake
+        rank = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            auth.client_handshake(rank, SECRET, "rendezvous", "jw", 1)
+            deadline = time.monotonic() + 5
+            while server.num_connections < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.num_connections == 2
+            assert not server.wait_for_disconnects(0.3)  # the rank is still connected
+            rank.close()
+            t0 = time.monotonic()
+            assert server.wait_for_disconnects(5.0)
+            assert time.monotonic() - t0 < 2
+            assert server.num_connections == 1  # the stranger is still there
+        finally:
+            stranger.close()
+            rank.close()
+
+
 def test_client_retries_until_server_starts():
     port = free_port()
     box = {}

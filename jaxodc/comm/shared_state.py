@@ -86,8 +86,6 @@ class SharedStateServer:
         auth.require_secret_for_bind(secret, host, "shared-state server")
         self.secret = secret
         self.job_id = job_id
-        self.max_connections = max_connections
-        self.refused = 0  # connections dropped: failed handshake, over the limit, broken frames
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._state: dict[str, np.ndarray] | None = None
@@ -97,7 +95,7 @@ class SharedStateServer:
         self._sock.settimeout(0.2)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
+        self._refusals = auth.Refusals(f"shared-state server {self.address}", self._lock, max_connections, log)
         self._thread = threading.Thread(target=self._accept_loop, name="jaxodc-ss-server", daemon=True)
         self._thread.start()
 
@@ -113,6 +111,11 @@ class SharedStateServer:
             self._state, self._sync_id = None, None
             return self.bytes_sent
 
+    @property
+    def refused(self) -> int:
+        """Connections dropped: failed handshake, over the limit, broken frames."""
+        return self._refusals.count
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=2)
@@ -121,7 +124,7 @@ class SharedStateServer:
         except OSError:
             pass
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._refusals.conns)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -138,16 +141,7 @@ class SharedStateServer:
             except OSError:
                 return
             conn.settimeout(self.timeout_s)
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if full:
-                    self.refused += 1
-                else:
-                    self._conns.add(conn)
-            if full:
-                log.warning("shared-state server %s: refused %s: already %d connections", self.address, addr,
-                            self.max_connections)
-                conn.close()
+            if not self._refusals.admit(conn, addr):
                 continue
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
                              name="jaxodc-ss-conn").start()
@@ -159,9 +153,7 @@ class SharedStateServer:
                                              timeout_s=min(10.0, self.timeout_s),
                                              what=f"shared-state server {self.address}")
             except auth.AuthError as e:
-                with self._lock:
-                    self.refused += 1
-                log.warning("shared-state server %s: refused %s: %s", self.address, addr, e)
+                self._refusals.refused(addr, e)
                 return
             addr = f"peer {peer} ({addr[0]}:{addr[1]})"
             while not self._closed.is_set():
@@ -172,14 +164,11 @@ class SharedStateServer:
                     continue
                 self._send_keys(conn, req)
         except P.ProtocolError as e:
-            with self._lock:
-                self.refused += 1
-            log.warning("shared-state server %s: dropped %s: %s", self.address, addr, e)
+            self._refusals.dropped(addr, e)
         except (ConnectionError, OSError):
             pass
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            self._refusals.release(conn)
             conn.close()
 
     def _send_keys(self, conn: socket.socket, req: dict) -> None:

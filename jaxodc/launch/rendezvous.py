@@ -76,8 +76,6 @@ class RendezvousServer:
                  job_id: str = "", world: int = MAX_WORLD, max_connections: int = 256):
         auth.require_secret_for_bind(secret, host, "rendezvous server")
         self.secret, self.job_id, self.world = secret, job_id, int(world)
-        self.max_connections = int(max_connections)
-        self.refused = 0  # connections dropped: failed handshake, over the limit, broken frames
         # create_server sets SO_REUSEADDR, so a port just probed free by a launcher binds.
         self._sock = socket.create_server((host, port), backlog=128)
         bound_port = self._sock.getsockname()[1]
@@ -88,7 +86,8 @@ class RendezvousServer:
         self._kv: dict[str, bytes] = {}
         self._rounds: dict[tuple[str, int], _Round] = {}
         self._closed = False
-        self._conns: set[socket.socket] = set()
+        self._refusals = auth.Refusals(f"rendezvous {self.address}", self._cond, max_connections, log)
+        self._ranks: set[socket.socket] = set()  # the authenticated connections
         self.requests = 0  # requests answered so far (lets tests see that waits are server-side)
         self._thread = threading.Thread(
             target=self._accept_loop, name=f"rendezvous-accept-{bound_port}", daemon=True
@@ -103,7 +102,7 @@ class RendezvousServer:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
+            conns = list(self._refusals.conns)
             self._cond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -120,16 +119,24 @@ class RendezvousServer:
     @property
     def num_connections(self) -> int:
         with self._cond:
-            return len(self._conns)
+            return len(self._refusals.conns)
+
+    @property
+    def refused(self) -> int:
+        """Connections dropped: failed handshake, over the limit, broken frames."""
+        return self._refusals.count
 
     def wait_for_disconnects(self, timeout_s: float) -> bool:
-        """Wait until every client has hung up (True) or timeout_s passed (False)."""
+        """Wait until every authenticated client has hung up (True) or timeout_s passed (False);
+        connections still in (or refused by) the handshake do not hold a rank's shutdown."""
         deadline = time.monotonic() + timeout_s
-        while self.num_connections:
+        while True:
+            with self._cond:
+                if not self._ranks:
+                    return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
-        return True
 
     def __enter__(self) -> "RendezvousServer":
         return self
@@ -145,20 +152,8 @@ class RendezvousServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return  # listening socket closed
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                full = len(self._conns) >= self.max_connections
-                if full:
-                    self.refused += 1
-                else:
-                    self._conns.add(conn)
-            if full:
-                log.warning("rendezvous %s: refused %s:%s: already %d connections", self.address,
-                            peer[0], peer[1], self.max_connections)
-                conn.close()
-                continue
+            if not self._refusals.admit(conn, peer, closing=lambda: self._closed):
+                continue  # refused, or closed: the next accept fails
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve_conn, args=(conn, peer), name=f"rendezvous-conn-{peer}",
@@ -166,17 +161,16 @@ class RendezvousServer:
             ).start()
 
     def _serve_conn(self, conn: socket.socket, peer) -> None:
-        who = f"{peer[0]}:{peer[1]}"
         try:
             try:
                 rank = auth.server_handshake(conn, self.secret, LISTENER, self.job_id, self.world,
                                              what=f"rendezvous {self.address}")
             except auth.AuthError as e:
-                with self._cond:
-                    self.refused += 1
-                log.warning("rendezvous %s: refused %s: %s", self.address, who, e)
+                self._refusals.refused(peer, e)
                 return
             who = f"rank {rank} ({peer[0]}:{peer[1]})"
+            with self._cond:
+                self._ranks.add(conn)
             while True:
                 try:
                     msg = P.recv_frame(conn, MAX_FRAME, typed=False)
@@ -185,10 +179,7 @@ class RendezvousServer:
                         raise P.ProtocolError(f"request names rank {claimed!r}, authenticated as {rank}")
                     reply = self._handle(msg)
                 except P.ProtocolError as e:
-                    with self._cond:
-                        self.refused += 1
-                    log.warning("rendezvous %s: closing connection from %s: %s",
-                                self.address, who, e)
+                    self._refusals.dropped(who, e)
                     return
                 with self._cond:
                     self.requests += 1
@@ -197,7 +188,8 @@ class RendezvousServer:
             return  # peer hung up (P.ConnectionClosed) or server closed
         finally:
             with self._cond:
-                self._conns.discard(conn)
+                self._refusals.conns.discard(conn)
+                self._ranks.discard(conn)
             conn.close()
 
     def _handle(self, msg: dict) -> dict:
