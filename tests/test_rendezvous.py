@@ -279,9 +279,9 @@ def test_unauthenticated_connections_do_not_hold_the_shutdown_wait():
         try:
             auth.client_handshake(rank, SECRET, "rendezvous", "jw", 1)
             deadline = time.monotonic() + 5
-            while server.num_connections < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert server.num_connections == 2
+            while (server.num_connections < 2 or server.num_authenticated < 1) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the server marks the rank authenticated after the client's side is done
+            assert (server.num_connections, server.num_authenticated) == (2, 1)
             assert not server.wait_for_disconnects(0.3)  # the rank is still connected
             rank.close()
             t0 = time.monotonic()

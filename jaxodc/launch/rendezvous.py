@@ -122,6 +122,12 @@ class RendezvousServer:
             return len(self._refusals.conns)
 
     @property
+    def num_authenticated(self) -> int:
+        """Connections past the handshake (what wait_for_disconnects waits on)."""
+        with self._cond:
+            return len(self._ranks)
+
+    @property
     def refused(self) -> int:
         """Connections dropped: failed handshake, over the limit, broken frames."""
         return self._refusals.count
