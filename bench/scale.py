@@ -56,9 +56,10 @@ def _args(argv):
     p.add_argument("--minibatch", type=int, default=4, help="samples per rank per minibatch (the paper's golden 4)")
     p.add_argument("--minibatches", type=int, default=12, help="global minibatches per world size (each run by every combo)")
     p.add_argument("--max-len", type=int, default=128, help="real tokens of the longest sample (= microbatch cap)")
-    p.add_argument("--longest-s", type=float, default=2.0,
-                   help="emulated seconds of a longest sample: large beside the real per-microbatch overhead "
-                        "(tens of ms with 32 ranks on 2 cores), which the bubble counts as idle")
+    p.add_argument("--longest-s", type=float, default=None,
+                   help="emulated seconds of a longest sample: large beside the real per-microbatch overhead, "
+                        "which the bubble counts as idle and which grows with the ranks sharing the host's cores "
+                        "(tens of ms with 32 ranks on 2 cores); default 2 s per 16 ranks, at least 2 s")
     p.add_argument("--model", default="llama-8b", choices=sorted(MODELS))
     p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the emulated device")
@@ -73,6 +74,14 @@ def _args(argv):
     return p.parse_args(argv)
 
 
+def longest_s_of(args, world: int) -> float:
+    """--longest-s, or its default for `world` ranks: 2 s, and 2 s per 16 ranks above 16, so the
+    host's own per-microbatch overhead (rank processes queueing for its cores) stays as small a
+    share of the emulated compute at every W. A common factor on every modelled time changes no
+    bubble or speed-up of the emulated device."""
+    return args.longest_s if args.longest_s is not None else 2.0 * max(1.0, world / 16)
+
+
 def accelerator_cost(args):
     """(CostModel in seconds at the paper's lengths, CostModel in seconds at the run's lengths scaled
     so the longest sample takes --longest-s, paper tokens per run token)."""
@@ -84,7 +93,7 @@ def accelerator_cost(args):
     full = CostModel.for_flops(params, layers, d, ACCELERATORS[args.accelerator] * args.mfu)
     paper_max = PRESETS[args.preset]["paper_max"]
     per_token = paper_max / args.max_len
-    scale = args.longest_s / float(full(paper_max))
+    scale = longest_s_of(args, 1) / float(full(paper_max))
     return full, full.scaled(per_token, scale), per_token
 
 
@@ -231,7 +240,8 @@ def print_report(args, rows, ratios, bar_rows, file=sys.stdout) -> None:
     paper_max = PRESETS[args.preset]["paper_max"]
     print(f"emulated: {args.model} on {args.accelerator} at MFU {args.mfu:g}: a={full.a:.3g} s/token^2, "
           f"b={full.b:.3g} s/token; a {paper_max}-token sample {float(full(paper_max)):.2f} s "
-          f"(attention {full.attention_share(paper_max):.0%}), slept as {args.longest_s:g} s; "
+          f"(attention {full.attention_share(paper_max):.0%}), slept as "
+          f"{'2 s per 16 ranks (at least 2 s)' if args.longest_s is None else f'{args.longest_s:g} s'}; "
           f"1 real token = {per_token:g} modelled tokens", file=file)
     print_table(rows, ["ranks", "comm", "balance", "samples_per_s", "bubble", "sim_bubble", "microbatches_per_rank",
                        "steals", "real_compute_share", "end_s"], file=file)
@@ -320,8 +330,11 @@ def run(args, say=print) -> tuple[list[dict], list[dict], list[dict]]:
         if W * args.minibatch > args.pool:
             raise ValueError(f"--pool {args.pool} cannot fill a minibatch of {args.minibatch} x {W} ranks")
         t0 = time.perf_counter()
-        raw = run_world(args, W, _forward(args))
-        r, q = summarize(args, W, raw["records"])
+        at_w = argparse.Namespace(**{**vars(args), "longest_s": longest_s_of(args, W)})
+        raw = run_world(at_w, W, _forward(at_w))
+        r, q = summarize(at_w, W, raw["records"])
+        for row in r:
+            row["longest_s"] = at_w.longest_s
         rows += r
         ratios += q
         say(f"W={W}: {time.perf_counter() - t0:.0f} s")

@@ -35,3 +35,12 @@ def test_scale_smoke_at_8_ranks(tmp_path):
     assert "odc+lb_mini bubble / collective@jaxodc+lb_micro bubble" in bars
     assert png.stat().st_size > 10_000
     assert "W=8: odc+lb_mini / collective@jaxodc+lb_micro samples/s" in proc.stdout
+
+
+def test_longest_sample_default_grows_with_the_ranks():
+    import argparse
+
+    from jaxodc.bench.scale import longest_s_of
+    default = argparse.Namespace(longest_s=None)
+    assert [longest_s_of(default, w) for w in (2, 8, 16, 32, 64)] == [2.0, 2.0, 2.0, 4.0, 8.0]
+    assert longest_s_of(argparse.Namespace(longest_s=0.5), 32) == 0.5  # given: kept at every W

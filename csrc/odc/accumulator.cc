@@ -39,10 +39,19 @@ inline float float_of(uint32_t b) {
   return x;
 }
 
+// The exact sum's two hot loops are compiled twice, for AVX2 and for baseline x86-64, the one the
+// CPU runs picked when the library loads: baseline SSE2 vectorises neither (it has no vector
+// int64 <-> double conversions), AVX2 does. Same arithmetic, so the same bits, on either.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__CUDACC__)
+#define JAXODC_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define JAXODC_VECTOR_CLONES
+#endif
+
 // Adds x[i] * 2^80 (rounded to an integer, ties to even, below 2^-57) to hi[i] * 2^52 + lo[i];
 // every |x[i]| < 2^kMaxExp. Straight-line double arithmetic (every step exact but the one rounding
 // of a sub-grid value), so the loop vectorises.
-void add_fixed(const float* x, int64_t count, int64_t* lo, int64_t* hi) {
+JAXODC_VECTOR_CLONES void add_fixed(const float* x, int64_t count, int64_t* lo, int64_t* hi) {
   const int64_t magic_bits = bits_of(kMagic);
   for (int64_t i = 0; i < count; ++i) {
     const double y = static_cast<double>(x[i]) * 0x1p80;  // exact; |y| < 2^103
@@ -87,6 +96,31 @@ inline float to_float_small(int64_t lo, int64_t hi) {
   return static_cast<float>(double_of(bs));
 }
 
+// to_float_small for |hi| < 2^51, with the integer-to-double conversions done by magic numbers
+// (integer adds and bit casts, which vectorise on any x86-64; SSE2 has no int64 -> double) and the
+// rounding to odd without a branch. The same arithmetic, so the same bits.
+inline float to_float_narrow(int64_t lo, int64_t hi) {
+  const double a = (double_of(hi + bits_of(kMagic)) - kMagic) * 0x1p-28;                // hi exactly
+  const double b = (double_of(lo | bits_of(0x1p52)) - 0x1p52) * 0x1p-80;                 // lo exactly
+  const double s = a + b, e = b - (s - a);
+  const int64_t bs = bits_of(s);
+  const int64_t odd = static_cast<int64_t>(e != 0) & ~bs & 1;                             // round to odd
+  const int64_t toward = 2 * static_cast<int64_t>((e > 0) == (s > 0)) - 1;
+  return static_cast<float>(double_of(bs + odd * toward));
+}
+
+// finish()'s branch-free path over one block: out[j] for every element with |hi| < 2^51 (sums
+// below 2^23); returns nonzero when some element is wider, and the caller redoes the block.
+JAXODC_VECTOR_CLONES uint64_t finish_narrow(const int64_t* lo, const int64_t* hi, int64_t m, float* out) {
+  uint64_t wide = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t l = lo[j] & kLoMask, h = hi[j] + (lo[j] >> kLoBits);  // carried: l in [0, 2^52)
+    wide |= static_cast<uint64_t>(h + (int64_t{1} << 51)) >> 52;        // nonzero unless |h| < 2^51
+    out[j] = to_float_narrow(l, h);
+  }
+  return wide;
+}
+
 }  // namespace
 
 Accumulator::Accumulator(int64_t n, bool exact, const std::string& what) : n_(n), exact_(exact) {
@@ -100,6 +134,7 @@ Accumulator::Accumulator(int64_t n, bool exact, const std::string& what) : n_(n)
 }
 
 void Accumulator::add(const float* x, int64_t offset, int64_t count) {
+  settle();
   if (!exact_) {
     float* acc = reinterpret_cast<float*>(buf_.get()) + offset;
     for (int64_t i = 0; i < count; ++i) acc[i] += x[i];
@@ -156,21 +191,30 @@ void Accumulator::add_spill(const float* x, int64_t offset, int64_t count, bool 
 }
 
 float* Accumulator::finish() {
+  settle();
   char* base = buf_.get();
   if (exact_ && !finished_) {
     const int64_t* lo = reinterpret_cast<const int64_t*>(base);
     const int64_t* hi = lo + n_;
-    // Element i's float lands at byte 4i, inside the lo limbs of elements <= i, read already.
-    for (int64_t i = 0; i < n_; ++i) {
-      const int64_t l = lo[i] & kLoMask, h = hi[i] + (lo[i] >> kLoBits);  // carried: l in [0, 2^52)
-      float r;
-      if (spill_ && spill_[i] != 0.0)
-        r = static_cast<float>(std::ldexp(static_cast<double>(value_of(l, h)), -kFracBits) + spill_[i]);
-      else if (h > -(int64_t{1} << 53) && h < (int64_t{1} << 53))
-        r = to_float_small(l, h);
-      else
-        r = to_float(value_of(l, h));
-      std::memcpy(base + 4 * i, &r, 4);
+    // Block by block through a local buffer: block k's floats land in the lo limbs of elements
+    // before its start (k >= 1) or of its own elements (k = 0), read by then. Each block first
+    // takes the branch-free path (finish_narrow); a block with a sum of 2^23 or more or with
+    // spilled values is redone element by element.
+    alignas(64) float out[kFinishBlock];
+    for (int64_t i0 = 0; i0 < n_; i0 += kFinishBlock) {
+      const int64_t m = std::min<int64_t>(kFinishBlock, n_ - i0);
+      if (finish_narrow(lo + i0, hi + i0, m, out) != 0 || spill_) {
+        for (int64_t j = 0; j < m; ++j) {
+          const int64_t i = i0 + j, l = lo[i] & kLoMask, h = hi[i] + (lo[i] >> kLoBits);  // carried: l in [0, 2^52)
+          if (spill_ && spill_[i] != 0.0)
+            out[j] = static_cast<float>(std::ldexp(static_cast<double>(value_of(l, h)), -kFracBits) + spill_[i]);
+          else if (h > -(int64_t{1} << 53) && h < (int64_t{1} << 53))
+            out[j] = to_float_small(l, h);
+          else
+            out[j] = to_float(value_of(l, h));
+        }
+      }
+      std::memcpy(base + 4 * i0, out, static_cast<size_t>(m) * 4);
     }
   }
   finished_ = true;
@@ -183,6 +227,7 @@ void Accumulator::clear() {
   bound_ = 0;
   pushes_ = 0;
   finished_ = false;
+  released_ = false;
 }
 
 }  // namespace jaxodc::odc

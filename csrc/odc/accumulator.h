@@ -55,18 +55,28 @@ class Accumulator {
   static constexpr int kMaxExp = 23;    // values at or above 2^kMaxExp go to the spill
   static constexpr int kBoundExp = 34;  // the unit's push bound stays below 2^kBoundExp
   static constexpr int kCarryEvery = 1 << 11;  // pushes between carrying lo into hi
+  static constexpr int kFinishBlock = 512;     // elements finished per block (finish())
 
   // n: elements of the owner's shard; `exact`: the exact format above, else fp32. Throws Error
   // naming `what` when the memory cannot be had.
   Accumulator(int64_t n, bool exact, const std::string& what);
 
   // Adds x[0, count) into elements [offset, offset + count); the caller checked the range and holds
-  // the unit's lock. Not while the finished sum is lent out (lent()).
+  // the unit's lock. Not while the finished sum is lent out (lent()); a released one is zeroed first.
   void add(const float* x, int64_t offset, int64_t count);
-  // The finished fp32 sum, in place (n floats at the start of the buffer); stays until clear().
+  // The finished fp32 sum, in place (n floats at the start of the buffer); stays until release()
+  // or clear().
   float* finish();
-  bool lent() const { return finished_; }
+  bool lent() const { return finished_ && !released_; }
   void clear();
+  // The reader is done with the finished sum: the buffer is zeroed before anything else uses it,
+  // by settle() -- the owner's daemon calls it soon after, off the trainer's path -- or by the next
+  // add() or finish(), whichever comes first. O(1).
+  void release() { released_ = true; }
+  bool released() const { return released_; }
+  void settle() {
+    if (released_) clear();
+  }
 
   bool exact() const { return exact_; }
   int64_t bytes() const { return bytes_; }
@@ -82,6 +92,7 @@ class Accumulator {
   const bool exact_;
   int64_t bytes_ = 0;
   bool finished_ = false;
+  bool released_ = false;
   void carry();
 
   double bound_ = 0;    // sum over this minibatch's fixed-point pushes of 2 x their largest |x|

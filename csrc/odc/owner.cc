@@ -135,6 +135,7 @@ void Runtime::daemon_loop() {
   SegmentHeader* seg = core_->seg;
   while (!core_->stop.load(std::memory_order_acquire)) {
     const uint32_t seen = seg->doorbell.load(std::memory_order_acquire);
+    settle_released();  // zeroing the sums the trainer returned, off its path
     if (drain_slots()) continue;
     futex_wait(&seg->doorbell, seen, 0.1);
   }
@@ -202,10 +203,21 @@ float* Runtime::grad_in_place(int unit) {
 
 void Runtime::clear_grad(int unit) {
   check_unit(unit, "clear_grad");
-  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  accum_[unit]->clear();
-  grad_lent_[unit] = 0;
-  signal_event(&core_->seg->doorbell);  // pushes left waiting in their slots (drain_slots)
+  {
+    std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+    accum_[unit]->release();  // zeroed by the daemon (settle_released), or by the next push or read
+    grad_lent_[unit] = 0;
+  }
+  zero_pending_.store(true, std::memory_order_release);
+  signal_event(&core_->seg->doorbell);  // the daemon; pushes left waiting in their slots (drain_slots)
+}
+
+void Runtime::settle_released() {
+  if (!zero_pending_.exchange(false, std::memory_order_acq_rel)) return;
+  for (int u = 0; u < num_units(); ++u) {
+    std::lock_guard<std::mutex> lock(*accum_mu_[u]);
+    accum_[u]->settle();
+  }
 }
 
 void Runtime::lend_grads() {

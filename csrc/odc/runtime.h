@@ -217,6 +217,7 @@ class Runtime {
   std::vector<Peer*> owners(int first, Route route) const;
   void announce(int unit, int64_t version);
   void daemon_loop();
+  void settle_released();
   bool drain_slots();
   bool accept_push(int unit, int64_t version, int client);
   void accumulate(int unit, int64_t version, int client, const float* data, int64_t count, int64_t offset = 0);
@@ -243,6 +244,7 @@ class Runtime {
   std::vector<std::unique_ptr<Accumulator>> accum_;
   std::vector<float> decoded_;   // the daemon's decoded compressed chunk
   std::vector<char> grad_lent_;  // per unit: grad_in_place handed out, clear_grad not yet called
+  std::atomic<bool> zero_pending_{false};  // a clear_grad's accumulator awaits the daemon's zeroing
   std::vector<std::unique_ptr<std::mutex>> accum_mu_;
   std::atomic<int64_t> accumulating_version_{0};
   std::atomic<int64_t> completed_version_{-1};

@@ -40,3 +40,13 @@ def check_grad_reaches_owners(ctx, rt, shards, full, version, pieces=False):
         lo, hi = rt.shard_range(u)
         np.testing.assert_allclose(rt.fetch_grad(u)[: hi - lo], ref[u][lo:hi], rtol=1e-5, atol=1e-5,
                                    err_msg=f"rank {ctx.rank} unit {u}")
+
+
+def wait_zeroed(view, timeout_s: float = 10.0) -> None:
+    """A summed gradient handed back by clear_grad is zeroed by the owner's daemon soon after,
+    off the trainer's path (Accumulator::release): wait for it, bounded."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while view.any() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not view.any(), f"the released gradient was not zeroed within {timeout_s} s"
