@@ -201,13 +201,15 @@ float* Runtime::grad_in_place(int unit) {
   return grad;
 }
 
+void Runtime::release_grad(int unit) {
+  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
+  accum_[unit]->release();  // zeroed by the daemon (settle_released), or by the next push or read
+  grad_lent_[unit] = 0;
+}
+
 void Runtime::clear_grad(int unit) {
   check_unit(unit, "clear_grad");
-  {
-    std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-    accum_[unit]->release();  // zeroed by the daemon (settle_released), or by the next push or read
-    grad_lent_[unit] = 0;
-  }
+  release_grad(unit);
   zero_pending_.store(true, std::memory_order_release);
   signal_event(&core_->seg->doorbell);  // the daemon; pushes left waiting in their slots (drain_slots)
 }
@@ -225,9 +227,17 @@ void Runtime::lend_grads() {
 }
 
 void Runtime::clear_and_publish_in_place(int64_t version) {
-  // All cleared before any is announced: peers push into them right after.
-  for (int u = 0; u < num_units(); ++u) clear_grad(u);
-  for (int u = 0; u < num_units(); ++u) publish_in_place(u, version);
+  check_open("publish");
+  // All returned before any is announced (peers push into them right after), and one wake-up of
+  // the daemon and of the readers for all units rather than one per unit.
+  for (int u = 0; u < num_units(); ++u) release_grad(u);
+  zero_pending_.store(true, std::memory_order_release);
+  signal_event(&core_->seg->doorbell);
+  for (int u = 0; u < num_units(); ++u) {
+    check_publish(u, version);
+    announce(u, version, /*wake=*/false);
+  }
+  signal_event(&core_->seg->pub_seq);
 }
 
 float* Runtime::master_data(int unit) {
@@ -264,11 +274,11 @@ void Runtime::check_publish(int unit, int64_t version) const {
   if (grad_lent_[unit]) throw Error(at + ": its gradient is still lent out (call clear_grad first)");
 }
 
-void Runtime::announce(int unit, int64_t version) {
+void Runtime::announce(int unit, int64_t version, bool wake) {
   SegmentHeader* seg = core_->seg;
   if (core_->dev) core_->dev->publish(unit, seg->master(unit));  // complete before the version announces it
   seg->unit(unit)->version.store(version, std::memory_order_release);
-  signal_event(&seg->pub_seq);
+  if (wake) signal_event(&seg->pub_seq);
 }
 
 int64_t Runtime::published_version(int unit) const {

@@ -215,7 +215,8 @@ class Runtime {
   void check_publish(int unit, int64_t version) const;
   // The owners a worker operation visits, starting at `first` and going round the ring.
   std::vector<Peer*> owners(int first, Route route) const;
-  void announce(int unit, int64_t version);
+  void announce(int unit, int64_t version, bool wake = true);  // wake: signal the readers (pub_seq)
+  void release_grad(int unit);
   void daemon_loop();
   void settle_released();
   bool drain_slots();

@@ -303,7 +303,7 @@ class OdcTrainer(ShardedTrainer):
         if self._end_program is not None:
             (new_leaves, token), rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32),
                                                           np.int32(v), np.int32(1))
-            jax.block_until_ready(token)  # every unit's new shard is in its master
+            token.block_until_ready()  # every unit's new shard is in its master
             self.opt_state = end.state_tree(new_leaves)
             self.rt.clear_and_publish_in_place(v + 1)
             return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
