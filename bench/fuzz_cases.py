@@ -97,16 +97,25 @@ def _proved(t: Target, s: socket.socket, nonce_s: bytes, reply: bytes) -> bool:
         return True  # any answer to a rank no listener may admit
 
 
-def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
-    """Runs one case against `t`; True when it was rejected, None when nothing listens any more."""
+def _connect(t: Target) -> socket.socket | bool | None:
+    """A connection to `t` with the cases' 10 s timeout; None when nothing listens any more, True
+    when the connection was refused otherwise (a rejection)."""
     try:
         s = socket.create_connection((t.host, t.port), timeout=10)
     except ConnectionRefusedError:
         return None
     except OSError:
         return True
+    s.settimeout(10)
+    return s
+
+
+def run_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
+    """Runs one case against `t`; True when it was rejected, None when nothing listens any more."""
+    s = _connect(t)
+    if not isinstance(s, socket.socket):
+        return s
     with s:
-        s.settimeout(10)
         try:
             hello = _recv_exact(s, MAGIC_LEN)
             if len(hello) < MAGIC_LEN or hello[:4] != auth.MAGIC:
@@ -227,14 +236,10 @@ def _coord_welcomed(s: socket.socket) -> bool:
 def run_coord_case(t: Target, kind: str, rng: random.Random, stale: list) -> bool | None:
     """One case against the coordination service; True when it was rejected, None when nothing
     listens any more. `stale` carries the previous case's challenge and a valid auth frame for it."""
-    try:
-        s = socket.create_connection((t.host, t.port), timeout=10)
-    except ConnectionRefusedError:
-        return None
-    except OSError:
-        return True
+    s = _connect(t)
+    if not isinstance(s, socket.socket):
+        return s
     with s:
-        s.settimeout(10)
         try:
             chal = _coord_challenge(s)
             if chal is None:
