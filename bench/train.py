@@ -57,7 +57,9 @@ def _args(argv):
     p.add_argument("--raw", help="also write every rank's raw minibatch records and calibrations here (JSON)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
-    p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (medians over these)")
+    p.add_argument("--reps", type=int, default=16,
+                   help="interleaved repetitions (medians over these; 16 keeps the barred ratios' 95%% "
+                        "intervals within about +-5%% on the 2-core machine)")
     p.add_argument("--block-samples", type=int, default=8,
                    help="samples per rank per minibatch size per repetition (minibatch 4: 2 minibatches)")
     p.add_argument("--calib-reps", type=int, default=3, help="timings per bucket per calibration")
