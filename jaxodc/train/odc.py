@@ -110,7 +110,8 @@ class OdcTrainer(ShardedTrainer):
     """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
     including zero) -> done(v) -> wait_complete(v) -> the end of the minibatch: the optimizer's
     partial sums, one exchange (allgather: loss, token count, partial sums), one optimizer program
-    over my shards -> publish every unit at v+1 (train.unitwise.EndStep; `_end`).
+    over my shards -- on CPU all three in one compiled program -- -> publish every unit at v+1
+    (train.unitwise.EndStep; `_end`).
 
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
@@ -294,8 +295,9 @@ class OdcTrainer(ShardedTrainer):
     def _end(self, v: int, loss: float, global_tokens: float) -> float:
         """The end of runtime minibatch v, after wait_complete(v): one exchange of the loss, the
         token count and the optimizer's partial sums (EndStep; an exchange per further level of
-        sites that read other sites), one optimizer program, then version v + 1 published.
-        Returns the global loss."""
+        sites that read other sites), one optimizer program, then version v + 1 published. With
+        masters in place (CPU) the exchange is an op of that program (`_end_program`): one
+        dispatch, no host round trip. Returns the global loss."""
         end, grads = self.end, self._grad_arrays()
         leaves = jax.tree_util.tree_leaves(self.opt_state)
         known = [None] * len(end.sites)
