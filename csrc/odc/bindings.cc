@@ -197,8 +197,8 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           nb::arg("unit"))
       .def("clear_grad", &Runtime::clear_grad, nb::arg("unit"))
-      .def("lend_grads", &Runtime::lend_grads, nb::call_guard<nb::gil_scoped_release>())
-      .def("clear_and_publish_in_place", &Runtime::clear_and_publish_in_place, nb::arg("version"),
+      .def("lend_grads", &Runtime::lend_grads, nb::arg("units"), nb::call_guard<nb::gil_scoped_release>())
+      .def("clear_and_publish_in_place", &Runtime::clear_and_publish_in_place, nb::arg("units"), nb::arg("version"),
            nb::call_guard<nb::gil_scoped_release>())
       .def(
           "master_view",

@@ -222,18 +222,19 @@ void Runtime::settle_released() {
   }
 }
 
-void Runtime::lend_grads() {
-  for (int u = 0; u < num_units(); ++u) grad_in_place(u);
+void Runtime::lend_grads(const std::vector<int>& units) {
+  for (int u : units) grad_in_place(u);
 }
 
-void Runtime::clear_and_publish_in_place(int64_t version) {
+void Runtime::clear_and_publish_in_place(const std::vector<int>& units, int64_t version) {
   check_open("publish");
+  for (int u : units) check_unit(u, "publish");
   // All returned before any is announced (peers push into them right after), and one wake-up of
   // the daemon and of the readers for all units rather than one per unit.
-  for (int u = 0; u < num_units(); ++u) release_grad(u);
+  for (int u : units) release_grad(u);
   zero_pending_.store(true, std::memory_order_release);
   signal_event(&core_->seg->doorbell);
-  for (int u = 0; u < num_units(); ++u) {
+  for (int u : units) {
     check_publish(u, version);
     announce(u, version, /*wake=*/false);
   }

@@ -193,11 +193,11 @@ class Runtime {
   void clear_grad(int unit);
   float* master_data(int unit);
   void publish_in_place(int unit, int64_t version);
-  // The end of a minibatch for every unit in one call: grad_in_place of each (the trainer keeps
+  // The end of a minibatch for several units in one call: grad_in_place of each (the trainer keeps
   // its zero-copy arrays of the accumulators, whose memory never moves), and after the optimizer
   // clear_grad of each, then publish_in_place(version) of each.
-  void lend_grads();
-  void clear_and_publish_in_place(int64_t version);
+  void lend_grads(const std::vector<int>& units);
+  void clear_and_publish_in_place(const std::vector<int>& units, int64_t version);
   int64_t published_version(int unit) const;
   void read_shard(int unit, float* out, int64_t out_numel) const;
 

@@ -482,14 +482,14 @@ class Runtime:
         """Zeroes the accumulator of `unit` lent by grad_view (before publish_in_place)."""
         self._native.clear_grad(unit)
 
-    def lend_grads(self) -> None:
-        """grad_view of every unit, without making the arrays: for a caller that keeps views (or
-        zero-copy arrays) from an earlier minibatch, whose memory never moves."""
-        self._native.lend_grads()
+    def lend_grads(self, units: Sequence[int]) -> None:
+        """grad_view of each of `units`, without making the arrays: for a caller that keeps views
+        (or zero-copy arrays) from an earlier minibatch, whose memory never moves."""
+        self._native.lend_grads([int(u) for u in units])
 
-    def clear_and_publish_in_place(self, version: int) -> None:
-        """clear_grad of every unit, then publish_in_place(unit, version) of every unit."""
-        self._native.clear_and_publish_in_place(version)
+    def clear_and_publish_in_place(self, units: Sequence[int], version: int) -> None:
+        """clear_grad of each of `units`, then publish_in_place(unit, version) of each."""
+        self._native.clear_and_publish_in_place([int(u) for u in units], version)
 
     def master_view(self, unit: int) -> np.ndarray:
         """My master shard of `unit` (64-byte aligned, so jax on CPU wraps it without a copy).

@@ -184,6 +184,7 @@ class OdcTrainer(ShardedTrainer):
             store = lambda name, x, tok: odc_store_master(x, tok, runtime=runtime, unit=index[name])  # noqa: E731
             token = new_token
         self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
+        self._unit_ids = [u.index for u in self.layout.units]  # the parameters' units (not the state's)
         # With masters in place (CPU) and global reductions to agree on, the exchange runs inside
         # the optimizer's program (odc_allgather): one dispatch for the whole end of a minibatch.
         self._end_program = None
@@ -282,7 +283,7 @@ class OdcTrainer(ShardedTrainer):
         zero-copy arrays made the first time are reused while the views stay where they were
         (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
         if self._grads is not None:  # the accumulators never move (Runtime.lend_grads)
-            self.rt.lend_grads()
+            self.rt.lend_grads(self._unit_ids)
             return self._grads
         views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
         if self.grad_exchange is not None:
@@ -307,7 +308,7 @@ class OdcTrainer(ShardedTrainer):
                                                           np.int32(v), np.int32(1))
             token.block_until_ready()  # every unit's new shard is in its master
             self.opt_state = end.state_tree(new_leaves)
-            self.rt.clear_and_publish_in_place(v + 1)
+            self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
             return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
         rows = None
         for k in range(end.rounds):
@@ -327,7 +328,7 @@ class OdcTrainer(ShardedTrainer):
         # The gradients are cleared before the next version is announced: peers push into them
         # right after.
         if self._masters is not None:
-            self.rt.clear_and_publish_in_place(v + 1)
+            self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
         else:
             for u in self.layout.units:
                 self.rt.clear_grad(u.index)
