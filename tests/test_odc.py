@@ -579,6 +579,7 @@ def allgather_body(ctx, transport):
         rt.allgather(9, np.zeros(3 if ctx.rank == 0 else 4))
     except Exception as e:  # noqa: BLE001 - the message is the check
         err = str(e)
+    ctx.barrier("test_odc/allgather_mismatch")  # no rank closes before the other has read its post
     rt.close(barrier=False)
     return got, err
 

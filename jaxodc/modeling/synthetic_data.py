@@ -2,7 +2,9 @@
 benchmarks, tests and the README's copy-paste run: words drawn from Python's stdlib sources."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 
 import numpy as np
@@ -17,12 +19,26 @@ def _words(seed: int):
     return lambda n: " ".join(words[i] for i in rng.integers(0, len(words), max(int(n), 1)))
 
 
+@contextlib.contextmanager
+def _replacing(path: str):
+    """A text file written whole, then put in place: several ranks writing the same generated data
+    never let a reader see it half written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            yield fh
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def write_chat(path: str, n: int, max_words: int, seed: int = 0, preset: str = "longalign") -> str:
     """n {"messages": [...]} conversations (system, then 1-3 user / assistant exchanges) whose
     word counts follow `preset` up to max_words; the assistant turns take most of them."""
     rng = np.random.default_rng(seed)
     words = _words(seed)
-    with open(path, "w", encoding="utf-8") as fh:
+    with _replacing(path) as fh:
         for total in sample_lengths(preset, n, max_words, seed, min_len=min(8, max_words)):
             turns = int(rng.integers(1, 4))
             msgs = [{"role": "system", "content": words(2)}]
@@ -42,7 +58,7 @@ def write_rollouts(path: str, tokenizer, n_prompts: int, group: int, max_words: 
     words = _words(seed + 1)
     lengths = sample_lengths(preset, n_prompts * group, max_words, seed, min_len=min(4, max_words))
     uniform = -float(np.log(tokenizer.vocab_size))
-    with open(path, "w", encoding="utf-8") as fh:
+    with _replacing(path) as fh:
         for p in range(n_prompts):
             prompt = words(int(rng.integers(*prompt_words)))
             for g in range(group):
