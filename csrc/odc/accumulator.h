@@ -73,7 +73,6 @@ class Accumulator {
   // by settle() -- the owner's daemon calls it soon after, off the trainer's path -- or by the next
   // add() or finish(), whichever comes first. O(1).
   void release() { released_ = true; }
-  bool released() const { return released_; }
   void settle() {
     if (released_) clear();
   }

@@ -201,15 +201,17 @@ float* Runtime::grad_in_place(int unit) {
   return grad;
 }
 
-void Runtime::release_grad(int unit) {
-  std::lock_guard<std::mutex> lock(*accum_mu_[unit]);
-  accum_[unit]->release();  // zeroed by the daemon (settle_released), or by the next push or read
-  grad_lent_[unit] = 0;
-}
-
 void Runtime::clear_grad(int unit) {
   check_unit(unit, "clear_grad");
-  release_grad(unit);
+  release_grads({unit});
+}
+
+void Runtime::release_grads(const std::vector<int>& units) {
+  for (int u : units) {
+    std::lock_guard<std::mutex> lock(*accum_mu_[u]);
+    accum_[u]->release();  // zeroed by the daemon (settle_released), or by the next push or read
+    grad_lent_[u] = 0;
+  }
   zero_pending_.store(true, std::memory_order_release);
   signal_event(&core_->seg->doorbell);  // the daemon; pushes left waiting in their slots (drain_slots)
 }
@@ -231,9 +233,7 @@ void Runtime::clear_and_publish_in_place(const std::vector<int>& units, int64_t 
   for (int u : units) check_unit(u, "publish");
   // All returned before any is announced (peers push into them right after), and one wake-up of
   // the daemon and of the readers for all units rather than one per unit.
-  for (int u : units) release_grad(u);
-  zero_pending_.store(true, std::memory_order_release);
-  signal_event(&core_->seg->doorbell);
+  release_grads(units);
   for (int u : units) {
     check_publish(u, version);
     announce(u, version, /*wake=*/false);

@@ -216,7 +216,7 @@ class Runtime {
   // The owners a worker operation visits, starting at `first` and going round the ring.
   std::vector<Peer*> owners(int first, Route route) const;
   void announce(int unit, int64_t version, bool wake = true);  // wake: signal the readers (pub_seq)
-  void release_grad(int unit);
+  void release_grads(const std::vector<int>& units);  // clear_grad of each, one wake-up of the daemon
   void daemon_loop();
   void settle_released();
   bool drain_slots();

@@ -106,6 +106,11 @@ def _aliases(a: jax.Array, host: np.ndarray) -> bool:
         return False
 
 
+# _end_program's (head, version, exchange) for a run that skips the peers (warm-up, memory reports):
+# a head of two float64 zeros, and exchange 0.
+_NO_EXCHANGE = (np.zeros(4, np.uint32), np.int32(0), np.int32(0))
+
+
 class OdcTrainer(ShardedTrainer):
     """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
     including zero) -> done(v) -> wait_complete(v) -> the end of the minibatch: the optimizer's
@@ -301,7 +306,6 @@ class OdcTrainer(ShardedTrainer):
         dispatch, no host round trip. Returns the global loss."""
         end, grads = self.end, self._grad_arrays()
         leaves = jax.tree_util.tree_leaves(self.opt_state)
-        known = [None] * len(end.sites)
         head = np.array([loss, global_tokens], np.float64)
         if self._end_program is not None:
             (new_leaves, token), rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32),
@@ -310,7 +314,7 @@ class OdcTrainer(ShardedTrainer):
             self.opt_state = end.state_tree(new_leaves)
             self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
             return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
-        rows = None
+        rows, known = None, [None] * len(end.sites)
         for k in range(end.rounds):
             part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
             got = self.rt.allgather(v, np.concatenate([head, part]) if k == 0 else part)
@@ -351,8 +355,7 @@ class OdcTrainer(ShardedTrainer):
         if self._end_program is None:
             yield from self.end.programs(self.shards, leaves, grads)
         else:
-            yield "end", self._end_program, (self.shards, leaves, grads, np.zeros(4, np.uint32), np.int32(0),
-                                             np.int32(0))
+            yield "end", self._end_program, (self.shards, leaves, grads, *_NO_EXCHANGE)
 
     def warm_end(self) -> None:
         """Compiles and runs the end-of-minibatch programs once (benchmarks: before timing) on this
@@ -362,9 +365,8 @@ class OdcTrainer(ShardedTrainer):
         end, grads, saved = self.end, self._grad_arrays(), self.local_shards()
         leaves = [jnp.copy(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
         shards = self.shards if self._masters is not None else {n: jnp.copy(a) for n, a in self.shards.items()}
-        if self._end_program is not None:  # the exchange skipped (its last argument)
-            jax.block_until_ready(self._end_program(shards, leaves, grads, np.zeros(4, np.uint32), np.int32(0),
-                                                    np.int32(0)))
+        if self._end_program is not None:
+            jax.block_until_ready(self._end_program(shards, leaves, grads, *_NO_EXCHANGE))
         else:
             fed = end.fill([None] * len(end.sites))
             for k in range(end.rounds):

@@ -319,9 +319,7 @@ class EndStep:
           the state leaves donated as by `apply`.
         """
         def fn(shards, state_leaves, grads, head, *extra):
-            reduced = self.fill([None] * len(self.sites))
-            reduced = [jnp.asarray(r) for r in reduced]
-            rows = None
+            reduced, rows = [jnp.asarray(r) for r in self.fill([None] * len(self.sites))], None
             for k in range(self.rounds):
                 part = self._level_part(k, self._update(shards, state_leaves, grads, reduced)[2])
                 got, total = exchange(head if k == 0 else head[:0], part, *extra)
