@@ -71,7 +71,7 @@ def _rec(comm, balance, rep, k, rank, t0, t1, compute, cpu, busy_est=0.0, sample
 
 
 def test_summarize_arithmetic():
-    from jaxodc.bench.train import summarize
+    from jaxodc.bench.train_report import summarize
     recs = []
     for rep, scale in ((0, 1.0), (1, 2.0)):  # repetition 1 runs on a machine twice as slow
         # collective: both ranks' intervals cover the whole 4 s (lock-step); rank 1 used the CPU for
@@ -111,7 +111,7 @@ def test_summarize_arithmetic():
 def test_injected_bars_take_the_whole_run():
     """Under injection the bar is the whole run's throughput ratio: a slowdown in one repetition
     of three moves it, where the median of per-repetition ratios would not."""
-    from jaxodc.bench.train import summarize
+    from jaxodc.bench.train_report import summarize
     recs = []
     for rep, slow in ((0, 1.0), (1, 1.0), (2, 4.0)):  # repetition 2: LB-Mini's minibatch 4x longer
         for rank in (0, 1):
@@ -200,7 +200,8 @@ def test_ceilings_replay_the_runs_own_minibatches(own_lengths):
     from jaxodc.balance.cost import CostModel
     from jaxodc.balance.plan import make_plan
     from jaxodc.balance.simulate import plan_times
-    from jaxodc.bench.train import _args, ceilings
+    from jaxodc.bench.train import _args
+    from jaxodc.bench.train_report import ceilings
     from jaxodc.data import synthetic_text
     cfg = {k: v for k, v in vars(_args(["--reps", "2", "--minibatch", "2,4", "--pool", "64", "--max-tokens", "256",
                                         "--block-samples", "4"])).items() if k not in ("worker", "out")}
