@@ -4,8 +4,7 @@
     python -m jaxodc bench train --memory --json bench/out/train_memory.json    # peak memory at W = 2, 4
     python -m jaxodc bench train --memory --precision bf16 --json bench/out/train_memory_bf16.json
     python -m jaxodc bench train --compress default --link-mbps 100 --json bench/out/train_compress_100.json
-    python -m jaxodc bench train --minibatch 4,8 --block-samples 32 --straggle default \
-        --json bench/out/train_straggle.json
+    python -m jaxodc bench train --straggle default --json bench/out/train_straggle.json  # minibatch 4, 8
     python -m jaxodc bench train --task sft --json bench/out/train_sft.json     # chat SFT, masked loss
     python -m jaxodc bench train --task grpo --json bench/out/train_grpo.json   # GRPO on rollouts
 
@@ -14,7 +13,8 @@
 The memory mode is bench/train_memory.py, the compression mode (TAGC vs dense over an emulated
 link) bench/train_compress.py. With --straggle, every combo runs again under each injection
 (slowdowns keyed on the data minibatch, the same for every combo), and bench/straggle_predict.py
-replays the same minibatches and slowdowns in the simulator for what any balancer could gain.
+replays the same minibatches and slowdowns in the simulator for what any balancer could gain, and
+what LB-Steal gains on average over many fresh minibatches.
 The report (rows, ratios, bars, table, timeline) is bench/train_report.py. Methodology
 (interleaving, bubble accounting, memory accounting): bench/README.md.
 """
@@ -41,6 +41,7 @@ from jaxodc.launch.launcher import launch_ranks, pin_one_core
 COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("collective@jaxodc", "lb_micro"), ("odc", "local_sort"),
           ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
 MiB = 1 << 20
+STRAGGLE_BLOCK_SAMPLES = 32
 
 
 def sum_comm(accumulate: str) -> str:
@@ -57,12 +58,15 @@ def _args(argv):
     p.add_argument("--timeline", help="per-rank Gantt chart (PNG) of one repetition at minibatch 4")
     p.add_argument("--raw", help="also write every rank's raw minibatch records and calibrations here (JSON)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--minibatch", default="1,2,4,8", help="samples per rank per minibatch (list)")
+    p.add_argument("--minibatch", default=None,
+                   help="samples per rank per minibatch (list; default 1,2,4,8, with --straggle 4,8)")
     p.add_argument("--reps", type=int, default=16,
                    help="interleaved repetitions (medians over these; 16 keeps the barred ratios' 95%% "
                         "intervals within about +-5%% on the 2-core machine)")
-    p.add_argument("--block-samples", type=int, default=8,
-                   help="samples per rank per minibatch size per repetition (minibatch 4: 2 minibatches)")
+    p.add_argument("--block-samples", type=int, default=None,
+                   help="samples per rank per minibatch size per repetition (default 8: 2 minibatches at minibatch 4; "
+                        f"with --straggle {STRAGGLE_BLOCK_SAMPLES}: injected slowdowns are rare events, and a few "
+                        "minibatches hold one or two of them)")
     p.add_argument("--calib-reps", type=int, default=3, help="timings per bucket per calibration")
     p.add_argument("--preset", default="longalign", help="sample-length preset (long-tailed)")
     p.add_argument("--pool", type=int, default=512, help="samples drawn from the preset")
@@ -109,7 +113,12 @@ def _args(argv):
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.minibatch is None:
+        args.minibatch = "4,8" if args.straggle else "1,2,4,8"
+    if args.block_samples is None:
+        args.block_samples = STRAGGLE_BLOCK_SAMPLES if args.straggle else 8
+    return args
 
 
 def _ints(s: str) -> list[int]:
@@ -480,7 +489,8 @@ def main(argv: list[str]) -> int:
     for p in predicted:
         print(f"minibatch {p['minibatch']}, straggle {p['straggle']}: simulator on the same minibatches and slowdowns, "
               f"compute only, over odc+lb_mini: lb_steal {p['steal']:.3f}, clairvoyant {p['clairvoyant']:.3f}, "
-              f"fluid {p['fluid']:.3f}")
+              f"fluid {p['fluid']:.3f}; expected over {p['expected_minibatches']} fresh minibatches: "
+              f"lb_steal {p['expected_steal']:.3f}, clairvoyant {p['expected_clairvoyant']:.3f}")
     if args.timeline:
         os.makedirs(os.path.dirname(os.path.abspath(args.timeline)) or ".", exist_ok=True)
         print(f"timeline: {os.path.abspath(draw_timeline(raw, args.timeline))}")

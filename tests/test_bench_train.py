@@ -176,7 +176,8 @@ def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
 
 def test_straggle_predict_orders_its_bounds():
     """The simulator's replay of a run's minibatches: LB-Steal <= the clairvoyant assignment <=
-    the fluid bound (ratios over LB-Mini); with a rank throttled in every minibatch, stealing gains."""
+    the fluid bound (ratios over LB-Mini), on the run's minibatches and in expectation over fresh ones;
+    with a rank throttled in every minibatch, stealing gains in both."""
     from jaxodc.bench.straggle_predict import predict
     from jaxodc.bench.train import _args
     cfg = {k: v for k, v in vars(_args(["--minibatch", "4", "--reps", "2", "--block-samples", "8"])).items()
@@ -184,11 +185,16 @@ def test_straggle_predict_orders_its_bounds():
     specs = ["rank_p=0.1,factor=3,seed=0", "p=0.2,factor=3,seed=1", "factor=2,rank=1,window=0:100,seed=0"]
     raw = {"config": cfg, "cost": [2.1e-7, 3.1e-4, 0.019],
            "records": [{"rank": r, "straggle": s} for r in (0, 1) for s in specs]}
-    got = {p["straggle"]: p for p in predict(raw)}
+    got = {p["straggle"]: p for p in predict(raw, expect_minibatches=50)}
     assert sorted(got) == sorted(specs) and all(p["minibatch"] == 4 for p in got.values())
     for p in got.values():
         assert p["steal"] <= p["clairvoyant"] * (1 + 1e-9) <= p["fluid"] * (1 + 1e-9), p
-    assert got["factor=2,rank=1,window=0:100,seed=0"]["steal"] > 1.1
+        assert p["expected_steal"] <= p["expected_clairvoyant"] * (1 + 1e-9) and p["expected_minibatches"] == 50, p
+    throttled = got["factor=2,rank=1,window=0:100,seed=0"]
+    assert throttled["steal"] > 1.1
+    # the window covers the run's minibatch numbers only: the fresh ones, far past it, see no throttle
+    assert throttled["expected_steal"] == pytest.approx(1.0, abs=0.05)
+    assert got["rank_p=0.1,factor=3,seed=0"]["expected_steal"] > 1.02  # one minibatch in five throttled
 
 
 @pytest.mark.parametrize("own_lengths", [False, True])

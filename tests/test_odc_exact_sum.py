@@ -133,20 +133,21 @@ def test_accumulator_memory_and_the_switch(monkeypatch):
         local_runtime([10], accumulate=None)
 
 
-def test_grad_view_is_the_exact_sum_in_place_and_clears():
-    data = pushes(4, count=3, sizes=[100])
-    with local_runtime([100]) as rt:
-        for v in range(2):  # the second minibatch starts from a cleared accumulator
+@pytest.mark.parametrize("n", [100, 1037])  # 1037: odd, and the finish's blocks (512) end mid-shard
+def test_grad_view_is_the_exact_sum_in_place_and_clears(n):
+    with local_runtime([n]) as rt:
+        for v in range(3):  # later minibatches start from a cleared accumulator (the finish zeroed its limbs)
+            data = pushes(4 + v, count=3, sizes=[n])
             for p in data:
                 rt.scatter_accumulate(0, v, p[0])
             rt.done(v)
             rt.wait_complete(v)
             view = rt.grad_view(0)
-            assert view.ctypes.data % 64 == 0 and view.dtype == np.float32 and view.shape == (100,)
+            assert view.ctypes.data % 64 == 0 and view.dtype == np.float32 and view.shape == (n,)
             np.testing.assert_array_equal(bits(view), bits(reference([p[0] for p in data])))
             rt.clear_grad(0)  # O(1): the owner's daemon zeroes the sum soon after, off the trainer's path
             wait_zeroed(view)
-            rt.publish(0, np.zeros(100, np.float32), v + 1)
+            rt.publish(0, np.zeros(n, np.float32), v + 1)
 
 
 # -- across processes: arrival order and the pushing rank vary ------------------------------------
