@@ -41,7 +41,11 @@ from jaxodc.launch.launcher import launch_ranks, pin_one_core
 COMBOS = (("collective", "local_sort"), ("collective", "lb_micro"), ("collective@jaxodc", "lb_micro"), ("odc", "local_sort"),
           ("odc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
 MiB = 1 << 20
+# --straggle's defaults: the combos its bars compare, and enough minibatches that rare slowdowns
+# (the default throttles a rank in one minibatch of twenty) show in every repetition's share
+STRAGGLE_COMBOS = (("collective@jaxodc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
 STRAGGLE_BLOCK_SAMPLES = 32
+STRAGGLE_REPS = 48
 
 
 def sum_comm(accumulate: str) -> str:
@@ -60,9 +64,13 @@ def _args(argv):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--minibatch", default=None,
                    help="samples per rank per minibatch (list; default 1,2,4,8, with --straggle 4,8)")
-    p.add_argument("--reps", type=int, default=16,
+    p.add_argument("--reps", type=int, default=None,
                    help="interleaved repetitions (medians over these; 16 keeps the barred ratios' 95%% "
-                        "intervals within about +-5%% on the 2-core machine)")
+                        f"intervals within about +-5%% on the 2-core machine; with --straggle {STRAGGLE_REPS})")
+    p.add_argument("--combos", default=None,
+                   help="comma-separated comm+balance pairs to run (default: all of "
+                        + ", ".join(f"{c}+{b}" for c, b in COMBOS) + "; with --straggle: "
+                        + ", ".join(f"{c}+{b}" for c, b in STRAGGLE_COMBOS) + ")")
     p.add_argument("--block-samples", type=int, default=None,
                    help="samples per rank per minibatch size per repetition (default 8: 2 minibatches at minibatch 4; "
                         f"with --straggle {STRAGGLE_BLOCK_SAMPLES}: injected slowdowns are rare events, and a few "
@@ -114,6 +122,14 @@ def _args(argv):
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.reps is None:
+        args.reps = STRAGGLE_REPS if args.straggle else 16
+    if args.combos is None:
+        args.combos = ",".join(f"{c}+{b}" for c, b in (STRAGGLE_COMBOS if args.straggle else COMBOS))
+    known = {f"{c}+{b}" for c, b in COMBOS}
+    bad = [c for c in args.combos.split(",") if c.strip() not in known]
+    if bad:
+        p.error(f"--combos: {bad[0]!r} is not one of {', '.join(sorted(known))}")
     if args.minibatch is None:
         args.minibatch = "4,8" if args.straggle else "1,2,4,8"
     if args.block_samples is None:
@@ -280,7 +296,9 @@ def train_worker(args) -> None:
     coll_j = CollectiveTrainer(model_lockstep, _optimizer(args.lr), params, transport="jaxodc")
     rt = Runtime.create(runtime_units, ctx)
     odc = OdcTrainer(model_odc, _optimizer(args.lr), params, rt)
-    combos, trainers = COMBOS, {"collective": coll, "collective@jaxodc": coll_j, "odc": odc}
+    chosen = {c.strip() for c in args.combos.split(",")}
+    combos = tuple(c for c in COMBOS if f"{c[0]}+{c[1]}" in chosen)
+    trainers = {"collective": coll, "collective@jaxodc": coll_j, "odc": odc}
     if args.compare_sum:  # the same trainer over a runtime summing pushes the other way
         other = "fp32" if rt.accumulate == "exact" else "exact"
         rt_other = Runtime(runtime_units, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
@@ -451,7 +469,7 @@ def _launch(args, world: int, mode: str, extra: list[str]) -> dict:
 
 
 def _forward(args) -> list[str]:
-    keys = ("minibatch", "reps", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
+    keys = ("minibatch", "reps", "combos", "block_samples", "calib_reps", "preset", "pool", "max_tokens", "min_bucket",
             "d_model", "layers", "heads", "lr", "seed", "memory_d_model", "memory_layers", "memory_tokens",
             "memory_steps", "memory_slot_mib", "memory_collective_transport", "precision")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
