@@ -129,8 +129,11 @@ def _setup(world):
 def _plan(comm, samples, idx, world):
     from jaxodc.balance.cost import CostModel
     from jaxodc.balance.plan import make_plan
-    return make_plan("lb_mini" if comm == "odc" else "lb_micro", samples.lengths[idx].tolist(), world, MAX_TOKENS,
+    return make_plan("lb_mini" if comm.startswith("odc") else "lb_micro", samples.lengths[idx].tolist(), world, MAX_TOKENS,
                      CostModel.for_transformer(32))
+
+
+COMMS = ("odc", "odc/copies", "collective")
 
 
 def trainers_body(ctx):
@@ -138,20 +141,27 @@ def trainers_body(ctx):
     init_jax_distributed(ctx)
     from jaxodc.data import Samples
     from jaxodc.train.api import sharded_step
+    from jaxodc.train.odc import OdcTrainer
     model, params, samples, mbs, n = _setup(ctx.world)
     out = {}
-    for comm in ("odc", "collective"):
+    in_place = OdcTrainer._master_views
+    for comm in COMMS:
+        # odc/copies: the path of owners whose shards jax cannot use in place (GPU): the end program
+        # returns the new shards, which are then published
+        OdcTrainer._master_views = (lambda self: None) if comm == "odc/copies" else in_place
         for name, opt in optimizers(n, sharded=True).items():
-            tr = sharded_step(model, opt, comm=comm).init(params, ctx=ctx)
+            tr = sharded_step(model, opt, comm=comm.split("/")[0]).init(params, ctx=ctx)
             losses, ends = [], []
             for idx in mbs:
                 res = tr.train_plan(_plan(comm, samples, idx, ctx.world), Samples([samples[i] for i in idx]).tokens)
                 losses.append(res.loss)
                 ends.append(res.end_s)
-            if comm == "odc":
-                assert tr.end.separable and tr._masters is not None and tr._grads is not None
+            if comm.startswith("odc"):
+                assert tr.end.separable and (tr._end_program is not None) == bool(tr.end.rounds), name
+                assert (tr._masters is not None and tr._grads is not None) == (comm == "odc"), name
             out[comm, name] = (losses, ends, tr.local_shards(), tr.layout)
             tr.close()
+    OdcTrainer._master_views = in_place
     return out
 
 
@@ -174,7 +184,7 @@ def test_end_of_minibatch_matches_reference(world):
             sub = Samples([samples[i] for i in idx])
             ref_losses.append(ref.step([pack([sub.tokens[i] for i in mb], MAX_TOKENS).as_dict()
                                         for r in plan.ranks for mb in r], plan_global_tokens(plan)))
-        for comm in ("odc", "collective"):
+        for comm in COMMS:
             what = f"{comm}, {name}, world {world}"
             for r in results:
                 losses, ends = r[comm, name][:2]

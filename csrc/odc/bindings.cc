@@ -255,6 +255,7 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
   add_target(targets, "jaxodc_odc_scatter", "CUDA", odc::OdcScatterCuda);
   add_target(targets, "jaxodc_odc_gather_pieces", "CUDA", odc::OdcGatherPiecesCuda);
   add_target(targets, "jaxodc_odc_scatter_range", "CUDA", odc::OdcScatterRangeCuda);
+  add_target(targets, "jaxodc_odc_allgather", "CUDA", odc::OdcAllgatherCuda);
 #endif
 }
 

@@ -29,6 +29,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherIntoCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcGatherPiecesCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcScatterRangeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(OdcAllgatherCuda);
 #endif
 
 // One signature per op for the CPU and CUDA handlers (pass ffi::Ffi::Bind(), with the stream
@@ -67,6 +68,23 @@ template <typename Binding>
 auto bind_scatter_range(Binding&& b) {
   return bind_scatter(std::move(b)).template Attr<int64_t>("offset");
 }
+
+// allgather(head, values, version, exchange) -> (every rank's head, values summed over ranks)
+template <typename Binding>
+auto bind_allgather(Binding&& b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::U32>>().template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::U32>>().template Ret<ffi::Buffer<ffi::F32>>().template Attr<int64_t>("runtime");
+}
+
+// The allgather's exchange and sum on host memory, for the CPU handler and (after its D2H copies)
+// the CUDA one (ffi_cpu.cc): `head` h words of float64 bits, `values` n partial sums; fills
+// head_rows (world x h words, by rank) and total (n floats: the sum over ranks in rank order in
+// double, rounded once, so every rank gets the same bits). `exchange` false skips the peers.
+void allgather_host(Runtime* rt, const uint32_t* head, int64_t h, const float* values, int64_t n, int64_t version,
+                    bool exchange, uint32_t* head_rows, float* total);
+// The allgather's shape checks (h even; the results world x h words and n floats).
+ffi::Error check_allgather(Runtime* rt, int64_t runtime, int64_t h, int64_t n, int64_t head_rows, int64_t total);
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
 

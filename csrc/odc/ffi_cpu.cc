@@ -92,55 +92,59 @@ ffi::Error StoreMasterCpuImpl(ffi::AnyBuffer value, ffi::AnyBuffer token, ffi::R
 // The minibatch's one exchange from inside the optimizer's program (Runtime::allgather): `head`
 // carries float64 values as their raw bits (loss, token count: exact, whatever jax's x64 setting)
 // and comes back as every rank's, by rank; `values` (the optimizer's partial sums) come back
-// summed over ranks in rank order in double, rounded once, so every rank gets the same bits.
-// `exchange` 0 skips the peers (a warm-up run): every rank's values are taken to be mine.
+// summed over ranks (allgather_host). `exchange` 0 skips the peers (a warm-up run): every rank's
+// values are taken to be mine.
 ffi::Error AllgatherCpuImpl(ffi::Buffer<ffi::U32> head, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> version,
                             ffi::Buffer<ffi::S32> exchange, ffi::Result<ffi::Buffer<ffi::U32>> head_rows,
                             ffi::Result<ffi::Buffer<ffi::F32>> total, int64_t runtime) {
   Runtime* rt = runtime_by_handle(runtime);
-  if (rt == nullptr)
-    return invalid("odc.allgather: no live ODC runtime with handle " + std::to_string(runtime) + " in this process");
   const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
-  const int64_t w = rt->world();
-  if (h % 2 != 0 || static_cast<int64_t>(head_rows->element_count()) != w * h ||
-      static_cast<int64_t>(total->element_count()) != n)
-    return invalid("odc.allgather: rank " + std::to_string(rt->rank()) + ": head of " + std::to_string(h) +
-                   " words (even), head rows of " + std::to_string(head_rows->element_count()) + " (expected " +
-                   std::to_string(w * h) + "), total of " + std::to_string(total->element_count()) + " (expected " +
-                   std::to_string(n) + ")");
+  if (auto err = check_allgather(rt, runtime, h, n, static_cast<int64_t>(head_rows->element_count()),
+                                 static_cast<int64_t>(total->element_count()));
+      err.failure())
+    return err;
   return run_guarded([&] {
-    const int64_t k = h / 2, m = k + n;  // doubles per rank
-    std::vector<double> mine(static_cast<size_t>(m));
-    std::memcpy(mine.data(), head.typed_data(), static_cast<size_t>(k) * sizeof(double));
-    for (int64_t i = 0; i < n; ++i) mine[k + i] = values.typed_data()[i];
-    std::vector<double> rows;
-    if (exchange.typed_data()[0] != 0) {
-      rows = rt->allgather(version.typed_data()[0], mine);
-    } else {
-      rows.reserve(static_cast<size_t>(w * m));
-      for (int64_t r = 0; r < w; ++r) rows.insert(rows.end(), mine.begin(), mine.end());
-    }
-    for (int64_t r = 0; r < w; ++r)
-      std::memcpy(head_rows->typed_data() + r * h, rows.data() + r * m, static_cast<size_t>(k) * sizeof(double));
-    for (int64_t i = 0; i < n; ++i) {
-      double sum = 0.0;
-      for (int64_t r = 0; r < w; ++r) sum += rows[r * m + k + i];
-      total->typed_data()[i] = static_cast<float>(sum);
-    }
+    allgather_host(rt, head.typed_data(), h, values.typed_data(), n, version.typed_data()[0],
+                   exchange.typed_data()[0] != 0, head_rows->typed_data(), total->typed_data());
   });
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcAllgatherCpu, AllgatherCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("runtime"));
+ffi::Error check_allgather(Runtime* rt, int64_t runtime, int64_t h, int64_t n, int64_t head_rows, int64_t total) {
+  if (rt == nullptr)
+    return invalid("odc.allgather: no live ODC runtime with handle " + std::to_string(runtime) + " in this process");
+  const int64_t w = rt->world();
+  if (h % 2 != 0 || head_rows != w * h || total != n)
+    return invalid("odc.allgather: rank " + std::to_string(rt->rank()) + ": head of " + std::to_string(h) +
+                   " words (even), head rows of " + std::to_string(head_rows) + " (expected " + std::to_string(w * h) +
+                   "), total of " + std::to_string(total) + " (expected " + std::to_string(n) + ")");
+  return ffi::Error::Success();
+}
+
+void allgather_host(Runtime* rt, const uint32_t* head, int64_t h, const float* values, int64_t n, int64_t version,
+                    bool exchange, uint32_t* head_rows, float* total) {
+  const int64_t w = rt->world(), k = h / 2, m = k + n;  // doubles per rank
+  std::vector<double> mine(static_cast<size_t>(m));
+  std::memcpy(mine.data(), head, static_cast<size_t>(k) * sizeof(double));
+  for (int64_t i = 0; i < n; ++i) mine[k + i] = values[i];
+  std::vector<double> rows;
+  if (exchange) {
+    rows = rt->allgather(version, mine);
+  } else {
+    rows.reserve(static_cast<size_t>(w * m));
+    for (int64_t r = 0; r < w; ++r) rows.insert(rows.end(), mine.begin(), mine.end());
+  }
+  for (int64_t r = 0; r < w; ++r)
+    std::memcpy(head_rows + r * h, rows.data() + r * m, static_cast<size_t>(k) * sizeof(double));
+  for (int64_t i = 0; i < n; ++i) {
+    double sum = 0.0;
+    for (int64_t r = 0; r < w; ++r) sum += rows[r * m + k + i];
+    total[i] = static_cast<float>(sum);
+  }
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcAllgatherCpu, AllgatherCpuImpl, bind_allgather(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcStoreMasterCpu, StoreMasterCpuImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()

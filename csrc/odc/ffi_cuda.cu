@@ -304,8 +304,52 @@ ffi::Error ScatterRangeCudaImpl(cudaStream_t stream, ffi::AnyBuffer local_shard,
   });
 }
 
+// The end of a minibatch's exchange (ffi_cpu.cc's allgather_host) from a device program: the
+// inputs come to pinned host memory, the results go back, all on the call's stream; the rank
+// blocks on the stream once, as the exchange needs the values.
+ffi::Error AllgatherCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U32> head, ffi::Buffer<ffi::F32> values,
+                             ffi::Buffer<ffi::S32> version, ffi::Buffer<ffi::S32> exchange,
+                             ffi::Result<ffi::Buffer<ffi::U32>> head_rows, ffi::Result<ffi::Buffer<ffi::F32>> total,
+                             int64_t runtime) {
+  Runtime* rt = runtime_by_handle(runtime);
+  const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
+  if (auto err = check_allgather(rt, runtime, h, n, static_cast<int64_t>(head_rows->element_count()),
+                                 static_cast<int64_t>(total->element_count()));
+      err.failure())
+    return err;
+  return run_guarded([&] {
+    const int64_t w = rt->world();
+    // one pinned block: head, values, version, exchange | head rows, total
+    const size_t in_bytes = static_cast<size_t>(h) * 4 + static_cast<size_t>(n) * 4 + 8;
+    const size_t out_bytes = static_cast<size_t>(w * h) * 4 + static_cast<size_t>(n) * 4;
+    char* host = static_cast<char*>(t_staging.get(in_bytes + out_bytes));
+    uint32_t* h_head = reinterpret_cast<uint32_t*>(host);
+    float* h_values = reinterpret_cast<float*>(host + static_cast<size_t>(h) * 4);
+    int32_t* h_flags = reinterpret_cast<int32_t*>(host + static_cast<size_t>(h + n) * 4);
+    uint32_t* h_rows = reinterpret_cast<uint32_t*>(host + in_bytes);
+    float* h_total = reinterpret_cast<float*>(host + in_bytes + static_cast<size_t>(w * h) * 4);
+    if (h) check(cudaMemcpyAsync(h_head, head.typed_data(), static_cast<size_t>(h) * 4, cudaMemcpyDeviceToHost, stream),
+                 "allgather head D2H");
+    if (n) check(cudaMemcpyAsync(h_values, values.typed_data(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost,
+                                 stream), "allgather values D2H");
+    check(cudaMemcpyAsync(h_flags, version.typed_data(), 4, cudaMemcpyDeviceToHost, stream), "allgather version D2H");
+    check(cudaMemcpyAsync(h_flags + 1, exchange.typed_data(), 4, cudaMemcpyDeviceToHost, stream),
+          "allgather exchange D2H");
+    check(cudaStreamSynchronize(stream), "allgather inputs");
+    allgather_host(rt, h_head, h, h_values, n, h_flags[0], h_flags[1] != 0, h_rows, h_total);
+    if (w * h) check(cudaMemcpyAsync(head_rows->typed_data(), h_rows, static_cast<size_t>(w * h) * 4,
+                                     cudaMemcpyHostToDevice, stream), "allgather rows H2D");
+    if (n) check(cudaMemcpyAsync(total->typed_data(), h_total, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice,
+                                 stream), "allgather total H2D");
+    // the pinned block is this thread's staging buffer: the copies must land before its next use
+    check(cudaStreamSynchronize(stream), "allgather results");
+  });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcAllgatherCuda, AllgatherCudaImpl,
+                              bind_allgather(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcGatherPiecesCuda, GatherPiecesCudaImpl,
                               bind_gather_pieces(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OdcScatterRangeCuda, ScatterRangeCudaImpl,

@@ -253,7 +253,8 @@ def odc_allgather(head: jax.Array, values: jax.Array, version, exchange, *, runt
         float64 and rounded once, the same bits on every rank.
       version: int32 scalar or [1]; labels errors only.
       exchange: int32 scalar or [1]; 0 skips the peers (warm-up: every rank's values are mine).
-      runtime: the `jaxodc.odc.Runtime` (its world size shapes the result); CPU programs only.
+      runtime: the `jaxodc.odc.Runtime` (its world size shapes the result). On CUDA the inputs
+        and results pass through pinned host memory (the call waits for its stream).
 
     Returns:
       (uint32[world, 2k] every rank's head by rank, float32[n] the sum). Both must reach the

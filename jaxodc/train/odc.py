@@ -115,8 +115,8 @@ class OdcTrainer(ShardedTrainer):
     """comm="odc" driver over an `OdcRuntime`: per minibatch v, run my microbatches (any count,
     including zero) -> done(v) -> wait_complete(v) -> the end of the minibatch: the optimizer's
     partial sums, one exchange (allgather: loss, token count, partial sums), one optimizer program
-    over my shards -- on CPU all three in one compiled program -- -> publish every unit at v+1
-    (train.unitwise.EndStep; `_end`).
+    over my shards -- all three in one compiled program when the optimizer has global reductions
+    -- -> publish every unit at v+1 (train.unitwise.EndStep; `_end`).
 
     Args:
       model: a unit-staged model (`unit_names`, `apply_unit`), a `loss_fn(params, batch)` returning
@@ -190,10 +190,11 @@ class OdcTrainer(ShardedTrainer):
             token = new_token
         self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
         self._unit_ids = [u.index for u in self.layout.units]  # the parameters' units (not the state's)
-        # With masters in place (CPU) and global reductions to agree on, the exchange runs inside
-        # the optimizer's program (odc_allgather): one dispatch for the whole end of a minibatch.
+        # With global reductions to agree on, the exchange runs inside the optimizer's program
+        # (odc_allgather): one dispatch for the whole end of a minibatch. With masters in place
+        # (CPU) the program stores the new shards; otherwise (GPU) it returns them, to be published.
         self._end_program = None
-        if self._masters is not None and self.end.rounds:
+        if self.end.rounds:
             from jaxodc.ops.odc import odc_allgather
             self._end_program = self.end.exchanged(
                 lambda head, part, ver, on: odc_allgather(head, part, ver, on, runtime=runtime))
@@ -302,17 +303,26 @@ class OdcTrainer(ShardedTrainer):
         """The end of runtime minibatch v, after wait_complete(v): one exchange of the loss, the
         token count and the optimizer's partial sums (EndStep; an exchange per further level of
         sites that read other sites), one optimizer program, then version v + 1 published. With
-        masters in place (CPU) the exchange is an op of that program (`_end_program`): one
-        dispatch, no host round trip. Returns the global loss."""
+        global reductions the exchange is an op of that program (`_end_program`): one dispatch, no
+        host round trip; with masters in place (CPU) the program also stores the new shards, else
+        they are published from its result. Returns the global loss."""
         end, grads = self.end, self._grad_arrays()
         leaves = jax.tree_util.tree_leaves(self.opt_state)
         head = np.array([loss, global_tokens], np.float64)
         if self._end_program is not None:
-            (new_leaves, token), rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32),
-                                                          np.int32(v), np.int32(1))
-            token.block_until_ready()  # every unit's new shard is in its master
-            self.opt_state = end.state_tree(new_leaves)
-            self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
+            out, rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32), np.int32(v), np.int32(1))
+            if self._masters is not None:
+                new_leaves, token = out
+                token.block_until_ready()  # every unit's new shard is in its master
+                self.opt_state = end.state_tree(new_leaves)
+                self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
+            else:
+                shards, new_leaves = out
+                jax.block_until_ready(shards)
+                self.opt_state = end.state_tree(new_leaves)
+                for u in self.layout.units:  # cleared before v + 1 is announced: peers push right after
+                    self.rt.clear_grad(u.index)
+                self._publish(shards, v + 1)
             return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
         rows, known = None, [None] * len(end.sites)
         for k in range(end.rounds):
