@@ -83,8 +83,10 @@ auto bind_allgather(Binding&& b) {
 // double, rounded once, so every rank gets the same bits). `exchange` false skips the peers.
 void allgather_host(Runtime* rt, const uint32_t* head, int64_t h, const float* values, int64_t n, int64_t version,
                     bool exchange, uint32_t* head_rows, float* total);
-// The allgather's shape checks (h even; the results world x h words and n floats).
-ffi::Error check_allgather(Runtime* rt, int64_t runtime, int64_t h, int64_t n, int64_t head_rows, int64_t total);
+// Resolves the allgather's runtime into *rt and checks its shapes (head of an even count of words;
+// the results world x head words and as many floats as values), for both handlers.
+ffi::Error check_allgather(int64_t runtime, const ffi::Buffer<ffi::U32>& head, const ffi::Buffer<ffi::F32>& values,
+                           const ffi::Buffer<ffi::U32>& head_rows, const ffi::Buffer<ffi::F32>& total, Runtime** rt);
 
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg); }
 

@@ -97,12 +97,9 @@ ffi::Error StoreMasterCpuImpl(ffi::AnyBuffer value, ffi::AnyBuffer token, ffi::R
 ffi::Error AllgatherCpuImpl(ffi::Buffer<ffi::U32> head, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> version,
                             ffi::Buffer<ffi::S32> exchange, ffi::Result<ffi::Buffer<ffi::U32>> head_rows,
                             ffi::Result<ffi::Buffer<ffi::F32>> total, int64_t runtime) {
-  Runtime* rt = runtime_by_handle(runtime);
+  Runtime* rt;
+  if (auto err = check_allgather(runtime, head, values, *head_rows, *total, &rt); err.failure()) return err;
   const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
-  if (auto err = check_allgather(rt, runtime, h, n, static_cast<int64_t>(head_rows->element_count()),
-                                 static_cast<int64_t>(total->element_count()));
-      err.failure())
-    return err;
   return run_guarded([&] {
     allgather_host(rt, head.typed_data(), h, values.typed_data(), n, version.typed_data()[0],
                    exchange.typed_data()[0] != 0, head_rows->typed_data(), total->typed_data());
@@ -111,12 +108,16 @@ ffi::Error AllgatherCpuImpl(ffi::Buffer<ffi::U32> head, ffi::Buffer<ffi::F32> va
 
 }  // namespace
 
-ffi::Error check_allgather(Runtime* rt, int64_t runtime, int64_t h, int64_t n, int64_t head_rows, int64_t total) {
-  if (rt == nullptr)
+ffi::Error check_allgather(int64_t runtime, const ffi::Buffer<ffi::U32>& head, const ffi::Buffer<ffi::F32>& values,
+                           const ffi::Buffer<ffi::U32>& head_rows_buf, const ffi::Buffer<ffi::F32>& total_buf, Runtime** rt) {
+  *rt = runtime_by_handle(runtime);
+  if (*rt == nullptr)
     return invalid("odc.allgather: no live ODC runtime with handle " + std::to_string(runtime) + " in this process");
-  const int64_t w = rt->world();
+  const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
+  const int64_t head_rows = static_cast<int64_t>(head_rows_buf.element_count());
+  const int64_t total = static_cast<int64_t>(total_buf.element_count()), w = (*rt)->world();
   if (h % 2 != 0 || head_rows != w * h || total != n)
-    return invalid("odc.allgather: rank " + std::to_string(rt->rank()) + ": head of " + std::to_string(h) +
+    return invalid("odc.allgather: rank " + std::to_string((*rt)->rank()) + ": head of " + std::to_string(h) +
                    " words (even), head rows of " + std::to_string(head_rows) + " (expected " + std::to_string(w * h) +
                    "), total of " + std::to_string(total) + " (expected " + std::to_string(n) + ")");
   return ffi::Error::Success();

@@ -311,12 +311,9 @@ ffi::Error AllgatherCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U32> head, ff
                              ffi::Buffer<ffi::S32> version, ffi::Buffer<ffi::S32> exchange,
                              ffi::Result<ffi::Buffer<ffi::U32>> head_rows, ffi::Result<ffi::Buffer<ffi::F32>> total,
                              int64_t runtime) {
-  Runtime* rt = runtime_by_handle(runtime);
+  Runtime* rt;
+  if (auto err = check_allgather(runtime, head, values, *head_rows, *total, &rt); err.failure()) return err;
   const int64_t h = static_cast<int64_t>(head.element_count()), n = static_cast<int64_t>(values.element_count());
-  if (auto err = check_allgather(rt, runtime, h, n, static_cast<int64_t>(head_rows->element_count()),
-                                 static_cast<int64_t>(total->element_count()));
-      err.failure())
-    return err;
   return run_guarded([&] {
     const int64_t w = rt->world();
     // one pinned block: head, values, version, exchange | head rows, total
