@@ -19,7 +19,8 @@ def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",
-           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--compare-sum", "--timeout", "150"]
+           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--compare-sum", "--timeout", "150",
+           "--minibatch", ",".join(map(str, MBS)), "--combos", ",".join(f"{c}+{b}" for c, b in COMBOS)]
     env = {k: v for k, v in os.environ.items() if k != "JAXODC_ODC_ACCUMULATE"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
