@@ -311,27 +311,16 @@ class OdcTrainer(ShardedTrainer):
         head = np.array([loss, global_tokens], np.float64)
         if self._end_program is not None:
             out, rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32), np.int32(v), np.int32(1))
-            if self._masters is not None:
-                new_leaves, token = out
-                token.block_until_ready()  # every unit's new shard is in its master
-                self.opt_state = end.state_tree(new_leaves)
-                self.rt.clear_and_publish_in_place(self._unit_ids, v + 1)
-            else:
-                shards, new_leaves = out
-                jax.block_until_ready(shards)
-                self.opt_state = end.state_tree(new_leaves)
-                for u in self.layout.units:  # cleared before v + 1 is announced: peers push right after
-                    self.rt.clear_grad(u.index)
-                self._publish(shards, v + 1)
-            return self._global_loss(v, np.asarray(rows).view(np.float64), global_tokens)
-        rows, known = None, [None] * len(end.sites)
-        for k in range(end.rounds):
-            part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
-            got = self.rt.allgather(v, np.concatenate([head, part]) if k == 0 else part)
-            if k == 0:
-                rows, got = got[:, :2], got[:, 2:]
-            end.split(k, got.sum(axis=0), known)
-        out = end.apply(self.shards, leaves, grads, end.fill(known))
+            rows = np.asarray(rows).view(np.float64)
+        else:
+            rows, known = None, [None] * len(end.sites)
+            for k in range(end.rounds):
+                part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
+                got = self.rt.allgather(v, np.concatenate([head, part]) if k == 0 else part)
+                if k == 0:
+                    rows, got = got[:, :2], got[:, 2:]
+                end.split(k, got.sum(axis=0), known)
+            out = end.apply(self.shards, leaves, grads, end.fill(known))
         if self._masters is not None:
             new_leaves, token = out
             jax.block_until_ready(token)  # every unit's new shard is in its master
