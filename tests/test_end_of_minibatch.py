@@ -29,11 +29,10 @@ def scale_by_global_mean_square(n: int, eps: float = 1e-12):
     return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
-def optimizers(n: int, sharded: bool) -> dict:
-    """name -> optimizer; `sharded`: jaxodc's clip (the reference takes optax's, whole-tree)."""
+def optimizers(n: int) -> dict:
+    """name -> optimizer, written for the whole tree (the trainers place it on shards)."""
     import optax
-    from jaxodc.optim.clipping import clip_by_global_norm
-    clip = clip_by_global_norm if sharded else optax.clip_by_global_norm
+    clip = optax.clip_by_global_norm
     return {
         "adam": optax.adam(LR),
         "adamw+clip": optax.chain(clip(MAX_NORM), optax.adamw(LR, weight_decay=0.1)),
@@ -42,6 +41,18 @@ def optimizers(n: int, sharded: bool) -> dict:
 
 
 # --- the two-phase arithmetic in one process: W ranks' shards of random vectors ----------------
+
+def placed(opt, sizes: dict, world: int, rank: int):
+    """`opt` on rank `rank`'s shards of vectors `sizes` (one unit each, per_leaf: rank r holds
+    [r*s, (r+1)*s) of each, s = ceil(size / world))."""
+    import jax
+    import jax.numpy as jnp
+    from jaxodc.modeling.units import make_layout
+    from jaxodc.optim.placement import ParamTree, place
+    layout = make_layout({k: {"w": jax.ShapeDtypeStruct((n,), jnp.float32)} for k, n in sizes.items()}, world,
+                         sharding="per_leaf")
+    return place(opt, ParamTree.of_layout(layout), layout, rank)
+
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_end_step_matches_optax_on_whole_vectors(world):
@@ -60,17 +71,15 @@ def test_end_step_matches_optax_on_whole_vectors(world):
         return {k: jnp.asarray(np.pad(v, (0, world * shard[k] - v.size))[r * shard[k]:(r + 1) * shard[k]])
                 for k, v in tree.items()}
 
-    from jaxodc.optim.clipping import clip_by_global_norm
-    late = lambda clip: optax.chain(optax.sgd(0.1, momentum=0.9), clip(MAX_NORM))  # noqa: E731
-    sharded = {**optimizers(n, sharded=True), "momentum+clip": late(clip_by_global_norm)}
-    whole = {**optimizers(n, sharded=False), "momentum+clip": late(optax.clip_by_global_norm)}
-    for name, opt in sharded.items():
-        ref_opt = whole[name]
+    whole = {**optimizers(n), "momentum+clip": optax.chain(optax.sgd(0.1, momentum=0.9),
+                                                            optax.clip_by_global_norm(MAX_NORM))}
+    for name, ref_opt in whole.items():
         ref_p, ref_state = {k: jnp.asarray(v) for k, v in full_p.items()}, None
         ref_state = ref_opt.init(ref_p)
         shards = [cut(full_p, r) for r in range(world)]
-        states = [opt.init(s) for s in shards]
-        ends = [EndStep(opt, shards[r], states[r]) for r in range(world)]
+        opts = [placed(ref_opt, sizes, world, r) for r in range(world)]
+        states = [o.init(s) for o, s in zip(opts, shards)]
+        ends = [EndStep(opts[r], shards[r], states[r]) for r in range(world)]
         assert ends[0].rounds == {"adam": 0, "adamw+clip": 1, "clip+global_mean+adam": 2, "momentum+clip": 1}[name], ends[0].levels
         for step in range(3):
             g = {k: (rng.normal(size=s) * 0.1).astype(np.float32) for k, s in sizes.items()}
@@ -92,24 +101,27 @@ def test_end_step_matches_optax_on_whole_vectors(world):
 
 
 def test_sites_found_and_levels():
-    import jax.numpy as jnp
     import optax
+    import jax.numpy as jnp
     from jaxodc.train.unitwise import EndStep
+    sizes = {"a": 4, "b": 3}
     shards = {"a": jnp.zeros(4), "b": jnp.zeros(3)}
-    opts = optimizers(7, sharded=True)
+    opts = {k: placed(o, sizes, 1, 0) for k, o in optimizers(7).items()}
     ends = {k: EndStep(o, shards, o.init(shards)) for k, o in opts.items()}
-    assert [len(e.sites) for e in ends.values()] == [0, 1, 2]
-    assert ends["clip+global_mean+adam"].levels == [0, 1]  # the mean square reads the clipped updates
+    # a norm's partial sums: one per parameter; the mean square reads the clipped updates
+    assert [len(e.sites) for e in ends.values()] == [0, 2, 4]
+    assert ends["clip+global_mean+adam"].levels == [0, 0, 1, 1]
     assert all(e.separable for e in ends.values()), {k: e.reason for k, e in ends.items()}
     # clipping after momentum reads every unit's new momentum through the norm: per unit once the
     # norm is fed in (train.unitwise.UnitwiseOptimizer refuses it)
-    from jaxodc.optim.clipping import clip_by_global_norm
-    late = optax.chain(optax.sgd(1e-2, momentum=0.9), clip_by_global_norm(0.05))
+    late = placed(optax.chain(optax.sgd(1e-2, momentum=0.9), optax.clip_by_global_norm(0.05)), sizes, 1, 0)
     end = EndStep(late, shards, late.init(shards))
-    assert end.separable and end.levels == [0], (end.reason, end.levels)
-    flat = optax.flatten(optax.adamw(1e-2, weight_decay=0.1))  # reads other units' parameters: whole tree
+    assert end.separable and end.levels == [0, 0], (end.reason, end.levels)
+    # one vector of all units: each parameter is gathered (a site each), so every unit's update reads
+    # the exchanged values, never another unit's shard
+    flat = placed(optax.flatten(optax.adamw(1e-2, weight_decay=0.1)), sizes, 1, 0)
     end = EndStep(flat, shards, flat.init(shards))
-    assert not end.separable and "depend on other units" in end.reason
+    assert end.separable and len(end.sites) >= 2, (end.reason, end.sites)
 
 
 # --- both trainers across processes against the single-process reference -----------------------
@@ -149,7 +161,7 @@ def trainers_body(ctx):
         # odc/copies: the path of owners whose shards jax cannot use in place (GPU): the end program
         # returns the new shards, which are then published
         OdcTrainer._master_views = (lambda self: None) if comm == "odc/copies" else in_place
-        for name, opt in optimizers(n, sharded=True).items():
+        for name, opt in optimizers(n).items():
             tr = sharded_step(model, opt, comm=comm.split("/")[0]).init(params, ctx=ctx)
             losses, ends = [], []
             for idx in mbs:
@@ -176,7 +188,7 @@ def test_end_of_minibatch_matches_reference(world):
 
     results = run_ranks(trainers_body, world, timeout_s=600)
     model, params, samples, mbs, n = _setup(world)
-    for name, opt in optimizers(n, sharded=False).items():
+    for name, opt in optimizers(n).items():
         ref = ReferenceTrainer(model, opt, params)
         ref_losses = []
         for idx in mbs:

@@ -50,6 +50,8 @@ class Program:
       state: the loss's mutable state (train.state.ModelState), None without; then `grad`'s fn
         returns ((loss, weighted state [state.size]), grads) and the trainer writes the summed
         state back with `state.updated(consts, total)`.
+      tree: the model's own parameter tree as its optimizer sees it (optim.placement.ParamTree);
+        None: {unit: the unit's subtree} (`param_tree()`).
     """
 
     layout: Layout
@@ -59,6 +61,12 @@ class Program:
     unshard: Callable[[Sequence[Mapping[str, np.ndarray]]], Any]
     kind: str
     state: Any = None
+    tree: Any = None
+
+    def param_tree(self):
+        """The model's own parameter tree and where each parameter lives (optim.placement)."""
+        from jaxodc.optim.placement import ParamTree
+        return self.tree if self.tree is not None else ParamTree.of_layout(self.layout)
 
     def runtime_units(self) -> list[int]:
         """The ODC runtime's unit sizes: the layout's units, then (with mutable state) one more
@@ -146,7 +154,9 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
     def unshard(shards, current=None):
         return unshard_tree(plan, shards, list(consts if current is None else current))
 
-    return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state)
+    from jaxodc.optim.placement import ParamTree
+    return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state,
+                   ParamTree.of_plan(plan))
 
 
 def program_of(model, params, world: int, *, example_batch=None, sharding: str = "contiguous", **policy) -> Program:

@@ -1,14 +1,13 @@
-"""Exact global quantities for optimizers that run on local parameter shards.
+"""Global reductions of an optimizer that runs on local parameter shards.
 
-A sharded trainer runs its Optax optimizer on each rank's shards, so anything that reduces over the
-whole parameter tree must also reduce over ranks. `global_sum` is the hook that marks such a
-reduction: while a trainer traces its optimizer step it binds it (collective: `lax.psum` inside the
-step; ODC: `train.unitwise.EndStep` finds every call while tracing, computes the arguments of all of
-them in one program and sums them in the minibatch's one exchange, then feeds the sums to the
-optimizer's program); outside a trainer it is the identity. Elementwise transformations (adam, sgd,
-weight decay, schedules) need nothing; clipping by the global norm needs `clip_by_global_norm` from
-here (`optax.clip_by_global_norm` would clip each rank by its local norm), and a transformation of
-your own that needs a global quantity calls `global_sum` on this rank's partial sum.
+The trainers run a user's Optax chain traced on the whole tree and placed on each rank's shards
+(optim.placement): every reduction over a parameter or the tree becomes a local partial plus
+`global_sum`, the hook that marks a reduction over ranks. While a trainer traces its optimizer step
+it binds it (collective: `lax.psum` inside the step; ODC: `train.unitwise.EndStep` finds every call
+while tracing, computes the arguments of all of them in one program and sums them in the
+minibatch's one exchange, then feeds the sums to the optimizer's program); outside a trainer it is
+the identity. Users write plain Optax (`optax.clip_by_global_norm`; `clip_by_global_norm` here is
+the same transformation under its old name).
 """
 from __future__ import annotations
 
@@ -63,28 +62,6 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(global_sum(sq))
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm` with the norm taken over all ranks' shards (same arithmetic).
-
-    Args:
-      max_norm: updates whose global norm exceeds it are scaled down to it.
-
-    Returns:
-      An `optax.GradientTransformation` (stateless).
-
-    Example:
-      >>> opt = optax.chain(clip_by_global_norm(1.0), optax.adam(3e-4))
-    """
-
-    def init(params):
-        del params
-        return optax.EmptyState()
-
-    def update(updates, state, params=None):
-        del params
-        g = global_norm(updates)
-        trigger = jnp.squeeze(g < max_norm)
-        return jax.tree_util.tree_map(
-            lambda t: jax.lax.select(trigger, t, (t / g.astype(t.dtype)) * max_norm), updates), state
-
-    return optax.GradientTransformation(init, update)
+# The trainers place the optimizer on shards (optim.placement), so Optax's own clipping means on
+# shards what it means on the whole tree; this name is kept for code written before that.
+clip_by_global_norm = optax.clip_by_global_norm

@@ -20,6 +20,8 @@ from jaxodc.balance.plan import Plan
 from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_reduce_scatter, dense_wire_bytes,
                                         unit_exchange)
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
+from jaxodc.optim.clipping import global_reduction
+from jaxodc.optim.placement import place
 from jaxodc.train.core import ShardedTrainer, StepResult, microbatches_for, optimizer_step, plan_global_tokens
 from jaxodc.modeling.staging import GatherFn
 from jaxodc.modeling.precision import MixedPrecision, precision_of
@@ -226,6 +228,9 @@ def lockstep_gather(group, channels: dict[str, list[tuple[int, int, int]]]) -> G
     return gather
 
 
+LOCKSTEP_SUM_MAX = 4096  # elements of one global sum over the lock-step transport (one call each)
+
+
 def lockstep_sum(group, channel: int) -> Callable[[jax.Array], jax.Array]:
     """A scalar all-sum over `group`'s reduce channel `channel` (psum's replacement). Calls on one
     channel must not overlap, so each call of one traced function waits for the previous one's
@@ -234,11 +239,21 @@ def lockstep_sum(group, channel: int) -> Callable[[jax.Array], jax.Array]:
 
     prev = []
 
-    def total(x):
+    def scalar(x):
         if prev:
             x, _ = jax.lax.optimization_barrier((x, prev[-1]))
         y = lockstep_collective(jnp.reshape(x, (1,)).astype(jnp.float32), group=group, channel=channel)
         prev.append(y)
+        return y
+
+    def total(x):
+        n = int(np.prod(jnp.shape(x)))
+        if n > LOCKSTEP_SUM_MAX:
+            raise ValueError(f"the lock-step transport sums scalars, one call each; the optimizer needs a global "
+                             f"sum of {n} elements (row statistics or a whole parameter gathered): use "
+                             f"transport='gloo' for this optimizer")
+        flat = jnp.reshape(x, (-1,)).astype(jnp.float32)
+        y = jnp.concatenate([scalar(flat[i]) for i in range(n)]) if n else flat
         return jnp.reshape(y, jnp.shape(x)).astype(x.dtype)
 
     return total
@@ -320,10 +335,18 @@ class CollectiveTrainer(ShardedTrainer):
 
         local = self.program.shard(params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
-        shapes = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in names}
-        state_specs = jax.tree_util.tree_map(lambda s: P() if s.ndim == 0 else P(AXIS),
-                                             jax.eval_shape(optimizer.init, shapes))
-        self.opt_state = jax.jit(smap(optimizer.init, (spec_sh,), state_specs))(self.shards)
+        # the user's chain, meaning on this rank's shards what it means on the whole tree; inside
+        # shard_map the rank is traced (per_leaf shards have one length on every rank)
+        self.optimizer = optimizer = place(optimizer, self.program.param_tree(), self.layout, None,
+                                           rank_fn=lambda: jax.lax.axis_index(AXIS))
+        state_shapes = optimizer.local_state_shapes()[0]
+        state_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state_shapes),
+                                                   [P(AXIS) if s else P() for s in optimizer.state_sharded])
+
+        def init(shards):
+            with global_reduction(lambda x: jax.lax.psum(x, AXIS)):
+                return optimizer.init(shards)
+        self.opt_state = jax.jit(smap(init, (spec_sh,), state_specs))(self.shards)
 
         self.residuals = self._zero_residuals()
         if transport == "jaxodc":
@@ -385,7 +408,10 @@ class CollectiveTrainer(ShardedTrainer):
             out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
             return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,))
 
-        uw = UnitwiseOptimizer(optimizer, self.shards, self.opt_state, lambda v: (lambda x: jax.lax.psum(x, AXIS)),
+        # traced as inside shard_map: on one rank's shapes
+        local_shards = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in self.layout.names}
+        uw = UnitwiseOptimizer(optimizer, local_shards, optimizer.local_state_shapes()[0],
+                               lambda v: (lambda x: jax.lax.psum(x, AXIS)),
                                axis_env=[(AXIS, self.world)], compile=compile_unit)
         self._add = jax.jit(jnp.add, donate_argnums=(0,))  # optax.apply_updates of one unit, in place
         return uw if uw.separable else None

@@ -20,6 +20,7 @@ from jaxodc.modeling.staging import GatherFn
 from jaxodc.modeling.precision import MixedPrecision, precision_of
 from jaxodc.modeling.program import program_of
 from jaxodc.train.straggle import Straggle, compile_seconds, microbatch_identity, stall
+from jaxodc.optim.placement import place
 from jaxodc.train.unitwise import EndStep
 
 
@@ -159,7 +160,13 @@ class OdcTrainer(ShardedTrainer):
         self.layout, self.consts = self.program.layout, self.program.consts
         self.compress = compress
         self._register_ranges(compress)
+        self.version = 0
+        # Runtime versions count minibatches of this runtime; after restore the trainer's step
+        # (self.version) runs ahead of them by this offset (see load_local_state).
+        self._rt_base = 0
         shards = {n: jnp.asarray(s) for n, s in self.program.shard(params, self.rank).items()}
+        # the user's chain, meaning on this rank's shards what it means on the whole tree
+        self.optimizer = optimizer = place(optimizer, self.program.param_tree(), self.layout, self.rank)
         self.opt_state = optimizer.init(shards)
         self._state_unit = self._check_state_unit()
         grad_fn = self.program.grad(gather or odc_gather_fn(runtime, policy.compute_dtype), policy.compute_dtype,
@@ -188,7 +195,7 @@ class OdcTrainer(ShardedTrainer):
             index = {u.name: u.index for u in self.layout.units}
             store = lambda name, x, tok: odc_store_master(x, tok, runtime=runtime, unit=index[name])  # noqa: E731
             token = new_token
-        self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token)
+        self.end = EndStep(optimizer, shards, self.opt_state, store=store, token=token, agree=self.allgather_obj)
         self._unit_ids = [u.index for u in self.layout.units]  # the parameters' units (not the state's)
         # With global reductions to agree on, the exchange runs inside the optimizer's program
         # (odc_allgather): one dispatch for the whole end of a minibatch. With masters in place
@@ -200,10 +207,6 @@ class OdcTrainer(ShardedTrainer):
                 lambda head, part, ver, on: odc_allgather(head, part, ver, on, runtime=runtime))
         self._grads = None  # zero-copy arrays of the runtime's accumulators, made once (_grad_arrays)
         self._global_tokens = 1.0  # the current minibatch's (grad_exchange's argument)
-        self.version = 0
-        # Runtime versions count minibatches of this runtime; after restore the trainer's step
-        # (self.version) runs ahead of them by this offset (see load_local_state).
-        self._rt_base = 0
         self.check_same({**setting_of(compress), "precision": str(policy)}, "compression and precision setting")
         self._traffic_seen = self._traffic()
         self._publish(shards, 0)

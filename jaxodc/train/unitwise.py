@@ -33,21 +33,8 @@ import optax
 from jax.extend.core import Literal
 
 from jaxodc.optim.clipping import global_reduction
+from jaxodc.optim.placement import called_jaxpr
 from jaxodc.train.core import optimizer_updates
-
-_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # eqn params holding a called jaxpr (jit, custom_jvp/vjp, remat)
-
-
-def _inner(eqn):
-    """The jaxpr an eqn calls with its own operands, or None (then it is treated as one op)."""
-    for key in _CALLS:
-        sub = eqn.params.get(key)
-        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-        if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars) \
-                and len(sub.outvars) == len(eqn.outvars):
-            return sub
-    return None
-
 
 def output_deps(jaxpr, in_deps: Sequence[frozenset]) -> list[frozenset]:
     """For each output of `jaxpr`, the union of `in_deps` of the inputs it is computed from.
@@ -56,10 +43,16 @@ def output_deps(jaxpr, in_deps: Sequence[frozenset]) -> list[frozenset]:
     read = lambda a: frozenset() if isinstance(a, Literal) else env.get(a, frozenset())  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        sub = _inner(eqn)
-        outs = output_deps(sub, ins) if sub is not None else [frozenset().union(*ins)] * len(eqn.outvars)
+        sub = called_jaxpr(eqn)
+        outs = output_deps(sub[0], ins) if sub is not None else [frozenset().union(*ins)] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
+
+
+def _state_units(optimizer, paths, names: frozenset) -> list[str | None]:
+    """The unit of each state leaf: as a placed optimizer (optim.placement) says, else by path."""
+    units = getattr(optimizer, "state_units", None)
+    return list(units) if units is not None else [_unit_of(p, names) for p, _ in paths]
 
 
 def _unit_of(path, names: frozenset) -> str | None:
@@ -92,7 +85,7 @@ class UnitwiseOptimizer:
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        self._state_unit = [_unit_of(p, names) for p, _ in paths]
+        self._state_unit = _state_units(optimizer, paths, names)
 
         def update(shards, state_leaves, grads, v):
             state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
@@ -218,15 +211,18 @@ class EndStep:
       opt_state: its state for them.
       store: (unit name, new fp32 shard, token) -> token, or None.
       token: () -> the first token (store's).
+      agree: every rank's value of a msgpack-able list (the trainer's all-gather), so the levels
+        are the same on every rank; None: this rank's alone (one rank, or tests).
     """
 
     def __init__(self, optimizer: optax.GradientTransformation, shards: dict, opt_state, *,
-                 store: Callable | None = None, token: Callable | None = None):
+                 store: Callable | None = None, token: Callable | None = None,
+                 agree: Callable[[list], list] | None = None):
         self.optimizer, self.names = optimizer, tuple(shards)
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        self._state_unit = [_unit_of(p, names) for p, _ in paths]
+        self._state_unit = _state_units(optimizer, paths, names)
         self._store, self._token = store, token
         sh, leaves = spec(shards), [x for _, x in paths]
         # The sites: the hook's calls while the update is traced.
@@ -243,9 +239,17 @@ class EndStep:
                 + [("grad", n) for n in flat_names] + [("reduced", i) for i in range(len(red))])
         deps = output_deps(closed.jaxpr, [frozenset([t]) for t in tags])
         n_upd, n_state = len(jax.tree_util.tree_leaves(out_shape[0])), len(out_shape[1])
+        # Which earlier sites each site reads. A rank that holds nothing of a parameter computes its
+        # partials there from no input at all, so ranks can see fewer edges: `agree` gives every
+        # rank's lists, and the levels come from all their edges, the same on every rank.
+        self.site_deps = [sorted(i for k, i in d if k == "reduced") for d in deps[n_upd + n_state:]]
+        every = [self.site_deps] if agree is None or not self.site_deps else agree(self.site_deps)
+        if any(len(d) != len(self.site_deps) for d in every):
+            raise ValueError(f"ranks traced different numbers of global reductions in the optimizer: "
+                             f"{[len(d) for d in every]} (by rank)")
         levels = []
-        for d in deps[n_upd + n_state:]:  # a site's level: one more than the deepest site it reads
-            levels.append(max((levels[i] + 1 for k, i in d if k == "reduced"), default=0))
+        for s in range(len(self.site_deps)):  # a site's level: one more than the deepest site it reads
+            levels.append(max((levels[i] + 1 for d in every for i in d[s]), default=0))
         self.levels, self.rounds = levels, (max(levels) + 1 if levels else 0)
         upd_units = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
         if len(upd_units) != len(self.names) or set(upd_units) != names or n_state != len(paths):

@@ -1,0 +1,649 @@
+"""A user's Optax chain on this rank's shards, meaning what it means in one process.
+
+A sharded trainer holds each parameter as pieces spread over ranks (units cut into shards,
+modeling/units.py), but an Optax chain is written for the whole tree: masks and labels by path or
+`ndim`, global-norm clipping, per-leaf norms (LAMB, LARS, AGC), row and column statistics
+(Adafactor), matrix iterations (Muon). So the chain is traced once on the model's own tree of global
+abstract parameters (`jax.make_jaxpr`), and the traced program is run on this rank's pieces with
+every operation placed (`Placer`):
+
+* elementwise operations run on the local piece;
+* a reduction over a leaf, or over some of its axes, is a local partial (segment-reduced onto the
+  kept axes) plus one global reduction: `optim.clipping.global_sum`, the hook the trainers bind to
+  their minibatch agreement (ODC: `train.unitwise.EndStep`'s in-program exchange, one per level of
+  reductions that read earlier ones; the collective: `psum`). Max, min, any and all travel as every
+  rank's partial in its own row of a zero matrix, so the sum is exact and reduced after it;
+* a broadcast of a replicated value onto a leaf (Adafactor's row statistics, a clipping factor) is
+  evaluated only at the local elements;
+* an operation that needs a whole leaf (a matrix product over the leaf's own axes, a transpose, a
+  loop over it, a sort) gets it gathered (the same hook: each rank adds its piece into zeros), runs
+  on it replicated, and what later meets a local piece is cut back to it;
+* an operation with side effects (a callback, a collective of the user's own) cannot be placed:
+  `PlacementError` at start, naming the primitive and where the chain made it.
+
+State leaves shaped like their parameter and found under its path (Adam's moments, Muon's momentum,
+MultiSteps' accumulated gradients) are kept as local pieces; every other state leaf (counts,
+Adafactor's factored statistics) is replicated.
+
+`ParamTree` says where each parameter of the model's tree lives (which unit, which leaf of it, which
+layer of a stacked leaf); `LeafLayout` is one parameter's local piece on one rank, as segments of
+shards. The rank may be a traced value (the collective's `axis_index` inside `shard_map`): the
+per_leaf sharding gives every rank segments of one length, whose positions follow the rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.extend.core import Literal
+
+from jaxodc.optim.clipping import global_sum
+
+PyTree = Any
+
+
+class PlacementError(ValueError):
+    """An optimizer operation that cannot run on shards (the message names it and where the chain made it)."""
+
+
+# ----------------------------------------------------------------------------------------- layouts
+
+@dataclass(frozen=True)
+class LeafPlace:
+    """Where one parameter lives: leaf `index` of unit `units[0]`, or (stacked) leaf `index` of
+    each of `units`, one per position along `axis` of the parameter."""
+
+    units: tuple[str, ...]
+    index: int
+    axis: int | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous run of a parameter's local piece: elements [offset, offset + length) of
+    unit `unit`'s shard hold elements start + stride * rank + k of the unit's leaf (flat, of
+    `numel`; those at or past `numel` are padding), which is `layer` along `axis` of the
+    parameter when stacked."""
+
+    unit: str
+    offset: int
+    length: int
+    start: int
+    stride: int
+    numel: int
+    unit_shape: tuple[int, ...]
+    layer: int | None = None
+    axis: int | None = None
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """A parameter's local piece on a rank: its global shape and its segments, in order."""
+
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    world: int
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some local elements may be padding (then reductions mask them)."""
+        return any(s.stride or s.start + s.length > s.numel for s in self.segments)
+
+
+class ParamTree:
+    """The model's own parameter tree as the optimizer sees it, and where each leaf lives.
+
+    Args:
+      treedef: the tree's structure (constants, which are not trained, are None leaves).
+      paths: each parameter's key path.
+      shapes: each parameter's global shape.
+      places: each parameter's `LeafPlace`.
+    """
+
+    def __init__(self, treedef, paths: Sequence[tuple], shapes: Sequence[tuple[int, ...]],
+                 places: Sequence[LeafPlace]):
+        self.treedef, self.paths = treedef, tuple(paths)
+        self.shapes, self.places = tuple(tuple(s) for s in shapes), tuple(places)
+
+    @classmethod
+    def of_layout(cls, layout) -> "ParamTree":
+        """A unit-staged model's tree: {unit: the unit's subtree}."""
+        tree = {u.name: jax.tree_util.tree_unflatten(u.treedef, list(range(len(u.shapes)))) for u in layout.units}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        paths, shapes, places = [], [], []
+        for path, j in flat:
+            unit = layout[path[0].key]
+            paths.append(path)
+            shapes.append(unit.shapes[j])
+            places.append(LeafPlace((unit.name,), j))
+        return cls(treedef, paths, shapes, places)
+
+    @classmethod
+    def of_plan(cls, plan) -> "ParamTree":
+        """A discovered tree (modeling/discover.py's ParamPlan): constants become None."""
+        full = jax.tree_util.tree_unflatten(plan.treedef, list(range(len(plan.places))))
+        flat = jax.tree_util.tree_flatten_with_path(full)[0]
+        leaves = [None if p.kind == "const" else i for i, p in enumerate(plan.places)]
+        treedef = jax.tree_util.tree_structure(jax.tree_util.tree_unflatten(plan.treedef, leaves))
+        paths, shapes, places = [], [], []
+        for (path, i), p in zip(flat, plan.places):
+            if p.kind == "const":
+                continue
+            paths.append(path)
+            shapes.append(plan.shapes[i])
+            places.append(LeafPlace(p.units, p.index, p.axis if p.kind == "stacked" else None))
+        return cls(treedef, paths, shapes, places)
+
+    def abstract(self, dtype=jnp.float32) -> PyTree:
+        """The tree of global abstract parameters (fp32: the trainers' masters)."""
+        return jax.tree_util.tree_unflatten(self.treedef, [jax.ShapeDtypeStruct(s, dtype) for s in self.shapes])
+
+    def layouts(self, layout, rank: int | None) -> list[LeafLayout]:
+        """Each parameter's local piece under the unit layout `layout`: on rank `rank` (an int),
+        or on any rank (None; the per_leaf sharding only, whose segments have one length on every
+        rank and start at `stride * rank`)."""
+        out = []
+        for shape, place in zip(self.shapes, self.places):
+            segs = []
+            for layer, name in enumerate(place.units):
+                spec = layout[name]
+                segs += _segments(spec, place.index, rank, None if place.axis is None else layer, place.axis)
+            out.append(LeafLayout(shape, tuple(segs), layout.world))
+        return out
+
+
+def _segments(spec, j: int, rank: int | None, layer, axis) -> list[Segment]:
+    shape = spec.shapes[j]
+    o, n = spec.leaf_pieces()[j]
+    if spec.per_leaf:
+        off, s = spec.leaf_shards()[j]
+        if s == 0:
+            return []
+        if rank is None:
+            return [Segment(spec.name, off, s, 0, s, n, shape, layer, axis)]
+        return [Segment(spec.name, off, s, rank * s, 0, n, shape, layer, axis)]
+    if rank is None:
+        raise PlacementError(f"unit {spec.name!r} is sharded contiguously: its pieces differ in length from "
+                             f"rank to rank, so the optimizer needs this rank's index (static) to place them")
+    a0, b0 = spec.shard_range(rank)
+    x, y = max(o, a0), min(o + n, b0)
+    return [Segment(spec.name, x - a0, y - x, x - o, 0, n, shape, layer, axis)] if x < y else []
+
+
+# ------------------------------------------------------------------- local pieces of a parameter
+
+def _element_index(seg: Segment, rank) -> jax.Array:
+    """The unit-leaf flat index of each of the segment's local elements (int32)."""
+    return seg.start + seg.stride * jnp.asarray(rank, jnp.int32) + jnp.arange(seg.length, dtype=jnp.int32)
+
+
+def _global_flat(seg: Segment, shape: tuple[int, ...], rank) -> jax.Array:
+    """The parameter's flat index of each local element (clipped into range for padding)."""
+    e = jnp.minimum(_element_index(seg, rank), max(seg.numel - 1, 0))
+    if seg.layer is None:
+        return e
+    coords = list(jnp.unravel_index(e, seg.unit_shape)) if seg.unit_shape else []
+    coords.insert(seg.axis, jnp.full_like(e, seg.layer))
+    return jnp.ravel_multi_index(tuple(coords), shape, mode="clip")
+
+
+def valid_mask(layout: LeafLayout, rank) -> jax.Array | None:
+    """Which local elements are real (None: all are)."""
+    if not layout.padded:
+        return None
+    return jnp.concatenate([_element_index(s, rank) < s.numel for s in layout.segments]) if layout.segments \
+        else jnp.zeros((0,), bool)
+
+
+def flat_index(layout: LeafLayout, rank) -> jax.Array:
+    """The parameter's flat index of each local element (int32; padding clipped)."""
+    if not layout.segments:
+        return jnp.zeros((0,), jnp.int32)
+    return jnp.concatenate([_global_flat(s, layout.shape, rank) for s in layout.segments])
+
+
+def local_piece(layout: LeafLayout, shards: dict) -> jax.Array:
+    """The local piece (flat) of one parameter out of this rank's shards."""
+    parts = [lax.slice_in_dim(shards[s.unit], s.offset, s.offset + s.length) for s in layout.segments]
+    if not parts:
+        return jnp.zeros((0,), jnp.float32)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shard_sizes: dict, dtype=jnp.float32) -> dict:
+    """This rank's shards {unit: [size]} holding the parameters' local pieces (zeros elsewhere)."""
+    runs: dict[str, list] = {u: [] for u in shard_sizes}
+    for layout, x in zip(layouts, pieces):
+        at = 0
+        for s in layout.segments:
+            runs[s.unit].append((s.offset, x[at:at + s.length]))
+            at += s.length
+    out = {}
+    for unit, size in shard_sizes.items():
+        parts, pos = [], 0
+        for off, x in sorted(runs[unit], key=lambda r: r[0]):
+            if off > pos:
+                parts.append(jnp.zeros((off - pos,), dtype))
+            parts.append(x.astype(dtype))
+            pos = off + x.shape[0]
+        if pos < size:
+            parts.append(jnp.zeros((size - pos,), dtype))
+        out[unit] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return out
+
+
+def cut(full: jax.Array, layout: LeafLayout, rank) -> jax.Array:
+    """A whole parameter-shaped value's local piece (by the same flat order)."""
+    flat = jnp.reshape(full, (-1,))
+    parts = []
+    for s in layout.segments:
+        src = flat
+        if s.layer is not None:
+            src = jnp.reshape(lax.index_in_dim(jnp.reshape(full, layout.shape), s.layer, s.axis, keepdims=False), (-1,))
+        if s.stride == 0 and s.start + s.length <= s.numel:
+            parts.append(lax.slice_in_dim(src, s.start, s.start + s.length))
+            continue
+        need = s.start + s.stride * (layout.world - 1) + s.length  # every rank's window in range
+        src = jnp.pad(src, (0, max(need - s.numel, 0)))
+        parts.append(lax.dynamic_slice_in_dim(src, s.start + s.stride * jnp.asarray(rank, jnp.int32), s.length))
+    if not parts:
+        return jnp.zeros((0,), full.dtype)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def gather(local: jax.Array, layout: LeafLayout, rank) -> jax.Array:
+    """The whole parameter on every rank, from every rank's local piece: each adds its piece into
+    zeros and `global_sum` sums them (exact: every element has one non-zero term)."""
+    valid = valid_mask(layout, rank)
+    x = local if valid is None else jnp.where(valid, local, jnp.zeros_like(local))
+    full = jnp.zeros((math.prod(layout.shape),), jnp.float32)
+    full = full.at[flat_index(layout, rank)].add(x.astype(jnp.float32), mode="drop") if layout.segments else full
+    return global_sum(full).astype(local.dtype).reshape(layout.shape)
+
+
+# ------------------------------------------------------------------------------ the interpreter
+
+@dataclass
+class Local:
+    """A value with a parameter's flat order, held as this rank's piece: `shape` is its view (any
+    reshape of the parameter's shape), `x` the local elements."""
+
+    layout: LeafLayout
+    shape: tuple[int, ...]
+    x: jax.Array
+
+
+@dataclass
+class Broadcast:
+    """`lax.broadcast_in_dim(value, shape, dims)` not yet materialised (it may only ever be
+    needed at the local elements)."""
+
+    value: jax.Array
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz convert_element_type copy copy_p cos
+cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le
+lgamma log log1p logistic lt max min mul ne neg nextafter not or polygamma population_count pow real
+reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh
+sqrt square sub tan tanh xor
+""".split())
+REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_and": "and",
+              "reduce_or": "or", "reduce_prod": "prod"}
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives that call a jaxpr once on their own operands (loops and branches are not calls).
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                             "custom_vjp_call_jaxpr", "checkpoint", "remat", "custom_lin"})
+
+
+def called_jaxpr(eqn):
+    """(jaxpr, consts) that a call eqn (jit, custom_jvp / custom_vjp, remat) runs on its own
+    operands, or None (any other eqn)."""
+    if eqn.primitive.name not in CALL_PRIMITIVES:
+        return None
+    for key in _CALLS:
+        sub = eqn.params.get(key)
+        if sub is None:
+            continue
+        jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+        if hasattr(jaxpr, "eqns") and len(jaxpr.invars) == len(eqn.invars) and len(jaxpr.outvars) == len(eqn.outvars):
+            return jaxpr, consts
+    return None
+
+
+def _identity(op: str, dtype):
+    """The identity of reduction `op` in `dtype`."""
+    if op in ("max", "min"):
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return -jnp.inf if op == "max" else jnp.inf
+        if dtype == jnp.bool_:
+            return op == "min"
+        return jnp.iinfo(dtype).min if op == "max" else jnp.iinfo(dtype).max
+    return {"sum": 0, "prod": 1, "and": True, "or": False}[op]
+
+
+def _where(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - only a message
+        return "an unknown place"
+
+
+class Placer:
+    """Runs a jaxpr traced on global values with some inputs given as local pieces (module
+    docstring). `rank`: this rank (an int, or traced); `world`: ranks."""
+
+    def __init__(self, rank, world: int):
+        self.rank, self.world = rank, world
+
+    # -- conversions
+    def whole(self, v):
+        """The value whole on this rank (gathered or materialised)."""
+        if isinstance(v, Local):
+            return jnp.reshape(gather(v.x, v.layout, self.rank), v.shape)
+        if isinstance(v, Broadcast):
+            return lax.broadcast_in_dim(v.value, v.shape, v.dims)
+        return v
+
+    def local(self, v, layout: LeafLayout) -> jax.Array:
+        """The value's elements at `layout`'s local elements (flat)."""
+        if isinstance(v, Local):
+            if v.layout == layout:
+                return v.x
+            return cut(self.whole(v), layout, self.rank)
+        if isinstance(v, Broadcast):
+            if math.prod(v.value.shape) == 1:
+                return jnp.broadcast_to(jnp.reshape(v.value, ()), (layout.length,))
+            coords = jnp.unravel_index(flat_index(layout, self.rank), v.shape)
+            src = tuple(jnp.zeros_like(coords[d]) if n == 1 else coords[d] for d, n in zip(v.dims, v.value.shape))
+            return jnp.reshape(v.value, (-1,))[jnp.ravel_multi_index(src, v.value.shape, mode="clip")]
+        v = jnp.asarray(v)
+        if v.ndim == 0:
+            return jnp.broadcast_to(v, (layout.length,))
+        return cut(v, layout, self.rank)
+
+    # -- reductions
+    def global_reduce(self, partial: jax.Array, op: str) -> jax.Array:
+        """`partial` combined over ranks by `op` (sum, max, min, and, or, prod)."""
+        dtype = partial.dtype
+        if op == "sum":
+            return global_sum(partial.astype(jnp.float32) if dtype == jnp.bool_ else partial).astype(dtype)
+        rows = jnp.arange(self.world, dtype=jnp.int32) == jnp.asarray(self.rank, jnp.int32)
+        rows = jnp.reshape(rows, (self.world,) + (1,) * partial.ndim)
+        every = global_sum(jnp.where(rows, partial[None].astype(jnp.float32), 0.0))  # one row each, exact
+        fn = {"max": jnp.max, "min": jnp.min, "and": jnp.all, "or": jnp.any, "prod": jnp.prod}[op]
+        return fn(every, axis=0).astype(dtype)
+
+    def reduce(self, v: Local, axes: Sequence[int], op: str) -> jax.Array:
+        kept = [d for d in range(len(v.shape)) if d not in axes]
+        x, dtype = v.x, v.x.dtype
+        ident = _identity(op, dtype)
+        valid = valid_mask(v.layout, self.rank)
+        if valid is not None:
+            x = jnp.where(valid, x, jnp.asarray(ident, dtype))
+        out_shape = tuple(v.shape[d] for d in kept)
+        if not kept:
+            if op in ("and", "or"):
+                partial = jnp.all(x) if op == "and" else jnp.any(x)
+            else:
+                partial = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod}[op](x, initial=ident)
+        else:
+            coords = jnp.unravel_index(flat_index(v.layout, self.rank), v.shape)
+            seg = jnp.ravel_multi_index(tuple(coords[d] for d in kept), out_shape, mode="clip")
+            n = math.prod(out_shape)
+            if op in ("and", "or"):  # empty segments: and -> True (int max), or -> False (int min)
+                fn = jax.ops.segment_min if op == "and" else jax.ops.segment_max
+                partial = fn(x.astype(jnp.int32), seg, n) > 0
+            else:
+                fn = {"sum": jax.ops.segment_sum, "max": jax.ops.segment_max, "min": jax.ops.segment_min,
+                      "prod": jax.ops.segment_prod}[op]
+                partial = fn(x, seg, n)
+            partial = jnp.reshape(partial, out_shape)
+        partial = partial.astype(dtype)
+        return self.global_reduce(partial, op)
+
+    # -- the jaxpr
+    def run(self, jaxpr, consts: Sequence, args: Sequence) -> list:
+        env: dict = {}
+
+        def read(a):
+            return a.val if isinstance(a, Literal) else env[a]
+
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = c
+        for var, x in zip(jaxpr.invars, args):
+            env[var] = x
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [read(a) for a in eqn.invars])
+            for var, x in zip(eqn.outvars, outs):
+                env[var] = x
+        return [read(a) for a in jaxpr.outvars]
+
+    def eqn(self, eqn, ins: list) -> list:
+        name = eqn.primitive.name
+        placed = [isinstance(x, (Local, Broadcast)) for x in ins]
+        if not any(placed):
+            return self._bind(eqn, ins)
+        if eqn.effects:
+            raise PlacementError(f"the optimizer's `{name}` (at {_where(eqn)}) has side effects ({eqn.effects}) "
+                                 f"and reads parameter-sized values: it cannot run on shards")
+        sub = called_jaxpr(eqn)
+        if sub is not None:
+            jaxpr, consts = sub
+            return self.run(jaxpr, consts, ins)
+        out_avals = [v.aval for v in eqn.outvars]
+        if name in ELEMENTWISE:
+            return [self._elementwise(eqn, ins, out_avals[0])]
+        if name == "broadcast_in_dim":
+            return [self._broadcast(eqn, ins)]
+        if name in ("reshape", "squeeze", "expand_dims") and isinstance(ins[0], Local):
+            return [Local(ins[0].layout, tuple(out_avals[0].shape), ins[0].x)]
+        if name in REDUCTIONS and isinstance(ins[0], Local):
+            return [self.reduce(ins[0], tuple(eqn.params["axes"]), REDUCTIONS[name])]
+        if name == "dot_general" and self._is_inner_product(eqn, ins):
+            a, b = ins
+            pref = eqn.params.get("preferred_element_type")
+            x = jnp.sum(a.x.astype(pref or a.x.dtype) * b.x.astype(pref or b.x.dtype))
+            return [self.global_reduce(x, "sum").astype(out_avals[0].dtype)]
+        if name == "cond":
+            return self._cond(eqn, ins)
+        # a whole-leaf operation: on the gathered leaf, replicated
+        return self._bind(eqn, [self.whole(x) for x in ins])
+
+    @staticmethod
+    def _bind(eqn, ins):
+        out = eqn.primitive.bind(*ins, **eqn.params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    def _elementwise(self, eqn, ins, aval):
+        shape = tuple(aval.shape)
+        layouts = [x.layout for x in ins if isinstance(x, Local) and x.shape == shape]
+        if not layouts:  # only lazy broadcasts: materialised
+            return self._bind(eqn, [self.whole(x) for x in ins])[0]
+        layout, args = layouts[0], []
+        for x in ins:
+            if isinstance(x, (Local, Broadcast)) and tuple(x.shape) != shape:
+                x = self.whole(x)  # an operand the op broadcasts (a scalar, or unit axes)
+            if not isinstance(x, (Local, Broadcast)) and 0 < jnp.ndim(x) and tuple(jnp.shape(x)) != shape:
+                x = Broadcast(jnp.asarray(x), shape, tuple(range(len(shape))))
+            args.append(x if not isinstance(x, (Local, Broadcast)) and jnp.ndim(x) == 0 else self.local(x, layout))
+        return Local(layout, shape, self._bind(eqn, args)[0])
+
+    def _broadcast(self, eqn, ins):
+        x = ins[0]
+        shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
+        if isinstance(x, Local):
+            if math.prod(shape) == math.prod(x.shape):  # only unit axes added: the same flat order
+                return Local(x.layout, shape, x.x)
+            return self._bind(eqn, [self.whole(x)] + list(ins[1:]))[0]
+        if isinstance(x, Broadcast):  # a broadcast of a broadcast: one broadcast of the value
+            return Broadcast(x.value, shape, tuple(dims[d] for d in x.dims))
+        return Broadcast(jnp.asarray(x), shape, dims)
+
+    @staticmethod
+    def _is_inner_product(eqn, ins) -> bool:
+        a, b = ins
+        if not (isinstance(a, Local) and isinstance(b, Local) and a.layout == b.layout and a.shape == b.shape):
+            return False
+        (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
+        full = tuple(range(len(a.shape)))
+        return not ba and not bb and tuple(ca) == full and tuple(cb) == full
+
+    def _cond(self, eqn, ins):
+        index = ins[0]
+        if isinstance(index, (Local, Broadcast)):
+            index = self.whole(index)
+        branches = [self.run(br.jaxpr, br.consts, ins[1:]) for br in eqn.params["branches"]]
+        out = []
+        for k, aval in enumerate(eqn.outvars):
+            vals = [br[k] for br in branches]
+            layouts = [v.layout for v in vals if isinstance(v, Local) and v.shape == tuple(aval.aval.shape)]
+            if layouts:
+                lay = layouts[0]
+                xs = [self.local(v, lay) for v in vals]
+                out.append(Local(lay, tuple(aval.aval.shape), lax.select_n(index, *xs) if len(xs) > 1 else xs[0]))
+            else:
+                xs = [self.whole(v) for v in vals]
+                out.append(lax.select_n(index, *xs) if len(xs) > 1 else xs[0])
+        return out
+
+
+# ----------------------------------------------------------------------------- the transformation
+
+def _state_params(tree: ParamTree, state_shapes) -> list[int | None]:
+    """For each state leaf, the parameter it is kept beside as a local piece: one whose path ends
+    the leaf's path and whose shape it has; None for replicated leaves."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state_shapes)[0]:
+        hit = None
+        for i, (p, s) in enumerate(zip(tree.paths, tree.shapes)):
+            if len(path) >= len(p) and tuple(path[len(path) - len(p):]) == tuple(p) and tuple(leaf.shape) == s:
+                hit = i if hit is None or len(tree.paths[hit]) < len(p) else hit
+        out.append(hit)
+    return out
+
+
+class PlacedOptimizer:
+    """`optimizer` over the trainer's shards {unit: flat shard}, meaning what it means on the whole
+    tree (module docstring); `init` and `update` as an Optax transformation's. Its state is the
+    optimizer's own state tree, with parameter-shaped leaves as this rank's pieces (flat) and the
+    rest whole.
+
+    Args:
+      optimizer: any Optax transformation, written for the model's own tree.
+      tree: the model's tree (`ParamTree`).
+      layout: the unit layout (modeling/units.py).
+      rank: this rank, or None for "traced" (then `rank_fn` gives it while tracing: the
+        collective's `axis_index`; the per_leaf sharding only).
+      rank_fn: () -> the traced rank, with rank=None.
+    """
+
+    def __init__(self, optimizer, tree: ParamTree, layout, rank: int | None, rank_fn: Callable | None = None):
+        if rank is None and rank_fn is None:
+            raise ValueError("PlacedOptimizer needs rank= or rank_fn=")
+        self.optimizer, self.tree, self.unit_layout = optimizer, tree, layout
+        self._rank, self._rank_fn = rank, rank_fn
+        self.layouts = tree.layouts(layout, rank)
+        self._sizes = {u.name: u.shard for u in layout.units}
+        params = tree.abstract()
+        state_shapes = jax.eval_shape(optimizer.init, params)
+        self._state_def = jax.tree_util.tree_structure(state_shapes)
+        self.state_param = _state_params(tree, state_shapes)
+        self._init = jax.make_jaxpr(optimizer.init)(params)
+        self._update = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(params, state_shapes, params)
+
+    def __repr__(self):
+        return f"PlacedOptimizer({self.optimizer!r})"
+
+    @property
+    def rank(self):
+        return self._rank if self._rank is not None else self._rank_fn()
+
+    @property
+    def state_sharded(self) -> list[bool]:
+        """Per state leaf (tree order): whether it is held as this rank's piece."""
+        return [i is not None for i in self.state_param]
+
+    @property
+    def state_units(self) -> list[str | None]:
+        """Per state leaf: the unit its piece lies in when it lies in one, else None (shared)."""
+        out = []
+        for i in self.state_param:
+            units = {s.unit for s in self.layouts[i].segments} if i is not None else set()
+            out.append(units.pop() if len(units) == 1 else None)
+        return out
+
+    def _pieces(self, shards: dict) -> list[Local]:
+        return [Local(lay, lay.shape, local_piece(lay, shards)) for lay in self.layouts]
+
+    def _state_in(self, leaves) -> list:
+        return [Local(self.layouts[i], self.layouts[i].shape, x) if i is not None else x
+                for x, i in zip(leaves, self.state_param)]
+
+    def _state_out(self, placer: Placer, outs) -> list:
+        res = []
+        for v, i in zip(outs, self.state_param):
+            x = placer.local(v, self.layouts[i]) if i is not None else placer.whole(v)
+            res.append(self._clean(placer, x, i) if i is not None else x)
+        return res
+
+    def _clean(self, placer: Placer, x, i):
+        valid = valid_mask(self.layouts[i], placer.rank)
+        return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
+
+    def init(self, shards):
+        """The optimizer's state for this rank's shards {unit: flat shard}."""
+        placer = Placer(self.rank, self.unit_layout.world)
+        outs = placer.run(self._init.jaxpr, self._init.consts, self._pieces(shards))
+        return jax.tree_util.tree_unflatten(self._state_def, self._state_out(placer, outs))
+
+    def update(self, updates, state, params=None):
+        """(updates as shards, new state) from the gradients' shards, as the optimizer's update on
+        the whole tree would give them at this rank's elements."""
+        if params is None:
+            raise ValueError("the placed optimizer needs params (the trainers always pass their shards)")
+        placer = Placer(self.rank, self.unit_layout.world)
+        grads, ps = self._pieces(updates), self._pieces(params)
+        leaves = jax.tree_util.tree_leaves(state)
+        outs = placer.run(self._update.jaxpr, self._update.consts, grads + self._state_in(leaves) + ps)
+        n = len(self.layouts)
+        upd = [self._clean(placer, placer.local(v, lay), i).astype(jnp.float32)
+               for i, (v, lay) in enumerate(zip(outs[:n], self.layouts))]
+        new = self._state_out(placer, outs[n:])
+        return join_pieces(self.layouts, upd, self._sizes), jax.tree_util.tree_unflatten(self._state_def, new)
+
+    def local_state_shapes(self, rank: int = 0):
+        """The state's local shapes on a rank (per_leaf: one length on every rank)."""
+        shards = {n: jax.ShapeDtypeStruct((k,), jnp.float32) for n, k in self._sizes.items()}
+        probe = PlacedOptimizer.__new__(PlacedOptimizer)
+        probe.__dict__.update(self.__dict__)
+        probe._rank, probe.layouts = rank, self.tree.layouts(self.unit_layout, rank)
+        return jax.eval_shape(probe.init, shards), shards, probe
+
+    def check(self) -> None:
+        """Raises PlacementError now if some operation of the update cannot be placed (every
+        operation is tried on abstract local pieces, with `global_sum` the identity)."""
+        state, shards, probe = self.local_state_shapes(self._rank if self._rank is not None else 0)
+        jax.eval_shape(probe.update, shards, state, shards)
+
+
+def place(optimizer: optax.GradientTransformation, tree: ParamTree, layout, rank: int | None,
+          rank_fn: Callable | None = None) -> PlacedOptimizer:
+    """`optimizer` on this rank's shards (PlacedOptimizer), checked: an operation that cannot be
+    placed raises PlacementError here, before training starts."""
+    placed = PlacedOptimizer(optimizer, tree, layout, rank, rank_fn)
+    placed.check()
+    return placed
