@@ -57,20 +57,24 @@ def _snapshot(state):
 
 
 def _logical(tr, snap):
-    """A snapshot in layout-free form: every unit's parameters and shard-shaped optimizer leaves
-    as their leaves (gathered from every rank), then the other optimizer leaves; collective."""
-    from jaxodc.train.checkpoint import _shard_leaf_units
+    """A snapshot in layout-free form: every unit's parameters and the optimizer state's
+    parameter pieces as whole leaves (gathered from every rank), then the other optimizer leaves;
+    collective."""
+    from jaxodc.train.checkpoint import sharded_state_leaves
     from jaxodc.modeling.units import leaf_views
+    from jaxodc.optim.placement import assemble_host
     shards, leaves = snap
-    units = _shard_leaf_units(tr.local_opt_state(), tr.layout)
-    names = list(tr.layout.names) + [u for u in units if u]
-    vecs = [shards[n] for n in tr.layout.names] + [x for x, u in zip(leaves, units) if u]
+    params = sharded_state_leaves(tr)
+    vecs = [shards[n] for n in tr.layout.names] + [x for x, p in zip(leaves, params) if p is not None]
     got = tr.allgather_obj([np.asarray(v, np.float32).tobytes() for v in vecs])
+    every = [[np.frombuffer(g[k], np.float32) for g in got] for k in range(len(vecs))]
     out = []
-    for k, n in enumerate(names):
-        flat = np.concatenate([np.frombuffer(g[k], np.float32) for g in got])
-        out += [np.asarray(p) for p in leaf_views(tr.layout[n], flat)]
-    return out + [x for x, u in zip(leaves, units) if not u]
+    for k, n in enumerate(tr.layout.names):
+        out += [np.asarray(p) for p in leaf_views(tr.layout[n], np.concatenate(every[k]))]
+    tree = tr.program.param_tree()
+    out += [assemble_host(tree, tr.layout, p, every[k]).reshape(-1)
+            for k, p in enumerate((p for p in params if p is not None), start=len(tr.layout.names))]
+    return out + [x for x, p in zip(leaves, params) if p is None]
 
 
 def checkpoint_body(ctx, root):

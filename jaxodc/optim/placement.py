@@ -271,6 +271,42 @@ def gather(local: jax.Array, layout: LeafLayout, rank) -> jax.Array:
     return global_sum(full).astype(local.dtype).reshape(layout.shape)
 
 
+def assemble_host(tree: ParamTree, layout, param: int, pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """Parameter `param`'s whole value (numpy) from every rank's local piece under `layout`
+    (checkpoints: state saved by one sharding, restored into another)."""
+    shape = tree.shapes[param]
+    full = np.zeros(math.prod(shape), np.asarray(pieces[0]).dtype)
+    for r, x in enumerate(pieces):
+        at = 0
+        for s in tree.layouts(layout, r)[param].segments:
+            e = s.start + np.arange(s.length)
+            ok = e < s.numel
+            full[_host_flat(s, shape, e[ok])] = np.asarray(x)[at:at + s.length][ok]
+            at += s.length
+    return full.reshape(shape)
+
+
+def cut_host(tree: ParamTree, layout, param: int, rank: int, full: np.ndarray) -> np.ndarray:
+    """Rank `rank`'s local piece of parameter `param` (numpy; padding zero) under `layout`."""
+    parts = []
+    flat = np.asarray(full).reshape(-1)
+    for s in tree.layouts(layout, rank)[param].segments:
+        e = s.start + np.arange(s.length)
+        ok = e < s.numel
+        part = np.zeros(s.length, flat.dtype)
+        part[ok] = flat[_host_flat(s, tree.shapes[param], e[ok])]
+        parts.append(part)
+    return np.concatenate(parts) if parts else np.zeros(0, flat.dtype)
+
+
+def _host_flat(s: Segment, shape, e: np.ndarray) -> np.ndarray:
+    if s.layer is None:
+        return e
+    coords = list(np.unravel_index(e, s.unit_shape)) if s.unit_shape else []
+    coords.insert(s.axis, np.full_like(e, s.layer))
+    return np.ravel_multi_index(tuple(coords), shape)
+
+
 # ------------------------------------------------------------------------------ the interpreter
 
 @dataclass

@@ -13,7 +13,7 @@ manifest.json::
      "units": [{"name", "numel", "padded", "shard", "sharding"}, ...],  # layout order; sharding:
                                                                         # units.UnitSpec.sharding
      "opt_state": {"treedef": "<str of the local state's jax treedef>",
-                   "leaves": [[shape, dtype], ...]},                     # this rank's local leaves
+                   "leaves": [[shape, dtype], ...]},   # local leaves; a parameter's piece: its parameter's shape
      "model_state": [[path, shape, dtype], ...],   # mutable model state (modeling/state.py); absent without
      "files": [{"rank": r, "file": "rank<r>-<tag>.msgpack", "bytes": n, "crc32": c}, ...]}
 
@@ -26,13 +26,14 @@ rank<r>-<tag>.msgpack, a msgpack map::
      "model_state": [bytes of each mutable-state leaf (BatchNorm statistics: the same on every
                      rank), as in the manifest]}                         # absent without
 
-The optimizer state is stored as each rank sees it locally (shard-shaped moments, replicated
-scalars such as adam's count). The two comm modes cut units differently (units.py: ODC
-"contiguous", the collective "per_leaf"; a manifest without "sharding" is contiguous), so a
-checkpoint of one mode restores into the other by resharding: every rank sends its shards and its
-shard-shaped optimizer leaves (a leaf under a unit's name, of that unit's shard size) to every
-rank, which rebuilds each unit's leaves and cuts its own shard of the trainer's layout (padding
-zero). That holds the whole state on every rank for a moment; a restore into the same sharding
+The optimizer state is stored as each rank holds it (optim.placement: the optimizer's own state
+tree, parameter-shaped leaves as this rank's flat pieces of their parameter, the rest whole, such
+as adam's count). A checkpoint of the state as it was before the optimizer was placed (leaves of
+unit shards) has another structure and is refused, naming it. The two comm modes cut units
+differently (units.py: ODC "contiguous", the collective "per_leaf"; a manifest without "sharding"
+is contiguous), so a checkpoint of one mode restores into the other by resharding: every rank
+sends its shards and its state's parameter pieces to every rank, which rebuilds each unit's
+leaves (and each piece's parameter) and cuts its own part of the trainer's layout (padding zero). That holds the whole state on every rank for a moment; a restore into the same sharding
 moves nothing.
 
 Atomicity: each file is written to a temporary name, fsynced and renamed (os.replace). A save
@@ -93,10 +94,14 @@ def _write_atomic(path: str, data: bytes) -> None:
         pass
 
 
-def _opt_description(opt_state) -> dict:
+def _opt_description(trainer, opt_state) -> dict:
+    """The state's structure, the same on every rank: a parameter piece is described by its
+    parameter's global shape (pieces differ in length from rank to rank)."""
     leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    shapes = trainer.program.param_tree().shapes
     return {"treedef": str(treedef),
-            "leaves": [[list(np.shape(x)), np.dtype(np.asarray(x).dtype).str] for x in leaves]}
+            "leaves": [[list(np.shape(x)) if p is None else list(shapes[p]), np.dtype(np.asarray(x).dtype).str]
+                       for x, p in zip(leaves, sharded_state_leaves(trainer))]}
 
 
 def _model_state(trainer) -> tuple[list, list[np.ndarray]]:
@@ -136,15 +141,10 @@ def _saved_layout(layout, saved: list[dict]):
     return Layout(tuple(units), layout.world)
 
 
-def _shard_leaf_units(opt_state, layout) -> list[str | None]:
-    """For each optimizer-state leaf (jax tree order), the unit it is a shard of (a dict key on
-    its path naming a unit, and that unit's shard shape), else None."""
-    names = set(layout.names)
-    out = []
-    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        unit = next((k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in names), None)
-        out.append(unit if unit is not None and tuple(np.shape(x)) == (layout[unit].shard,) else None)
-    return out
+def sharded_state_leaves(trainer) -> list[int | None]:
+    """For each optimizer-state leaf (jax tree order), the parameter whose local piece it is (the
+    placed optimizer's, optim.placement), else None (kept whole on every rank)."""
+    return list(trainer.optimizer.state_param)
 
 
 def _rank_file(rank: int, tag: str) -> str:
@@ -200,7 +200,7 @@ def save(trainer, path: str) -> str:
     manifest = {
         "format": FORMAT, "version": VERSION, "tag": tag, "step": step, "world": world,
         "comm": getattr(trainer, "comm", ""), "layout_fingerprint": trainer.layout.fingerprint(),
-        "units": _units(trainer.layout), "opt_state": _opt_description(opt_state),
+        "units": _units(trainer.layout), "opt_state": _opt_description(trainer, opt_state),
         **({"model_state": state_desc} if state_desc else {}),
         "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": meta[r][0], "crc32": meta[r][1]}
                   for r in range(world)],
@@ -287,10 +287,10 @@ def _load_rank(trainer, path: str):
     if diff is not None:
         raise CheckpointError(f"{where}: parameter layout differs: {diff}")
     local = trainer.local_opt_state()
-    mine = _opt_description(local)
-    for i, unit in enumerate(_shard_leaf_units(local, trainer.layout)):
-        if unit is not None:  # stored at the checkpoint's shard size
-            mine["leaves"][i][0] = [saved[unit].shard]
+    mine = _opt_description(trainer, local)
+    tree = trainer.program.param_tree()
+    stored = [[list(np.shape(x)), dt] if p is None else [[tree.layouts(saved, rank)[p].length], dt]  # as saved
+              for x, p, (_, dt) in zip(jax.tree_util.tree_leaves(local), sharded_state_leaves(trainer), mine["leaves"])]
     diff = _opt_difference(m.get("opt_state", {}), mine)
     if diff is not None:
         raise CheckpointError(f"{where}: {diff}")
@@ -321,7 +321,7 @@ def _load_rank(trainer, path: str):
             raise CheckpointError(f"{where}: unit {u.name!r} shard has {x.size} elements, expected {u.shard}")
         shards[u.name] = x.astype(np.float32)
     leaves = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
-              for b, (shape, dt) in zip(d["opt_state"], mine["leaves"])]
+              for b, (shape, dt) in zip(d["opt_state"], stored)]
     treedef = jax.tree_util.tree_structure(trainer.local_opt_state())
     model_state = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
                    for b, (_, shape, dt) in zip(d.get("model_state", []), state_desc)]
@@ -329,29 +329,27 @@ def _load_rank(trainer, path: str):
 
 
 def _reshard(trainer, saved, shards: dict, treedef, leaves: list):
-    """Every unit's shard and shard-shaped optimizer leaves, from the checkpoint's layout `saved`
-    to the trainer's (module docstring); collective over ranks."""
+    """Every unit's shard and the optimizer state's parameter pieces, from the checkpoint's layout
+    `saved` to the trainer's (module docstring); collective over ranks."""
     from jaxodc.modeling.units import flat_from_pieces, leaf_views
+    from jaxodc.optim.placement import assemble_host, cut_host
     layout, world, rank = trainer.layout, trainer.world, trainer.rank
     moved = [i for i, u in enumerate(saved.units) if u.sharding != layout.units[i].sharding]
     if not moved:
         return shards, leaves
-    leaf_units = _shard_leaf_units(trainer.local_opt_state(), layout)
-    items = [(layout.units[i].name, None) for i in moved] + [
-        (u, j) for j, u in enumerate(leaf_units) if u is not None and saved[u].sharding != layout[u].sharding]
-    local = [shards[u] if j is None else leaves[j] for u, j in items]
+    tree = trainer.program.param_tree()
+    params = [(j, p) for j, p in enumerate(sharded_state_leaves(trainer)) if p is not None]
+    local = [shards[layout.units[i].name] for i in moved] + [leaves[j] for j, _ in params]
     got = trainer.allgather_obj([[np.asarray(x).dtype.str, np.ascontiguousarray(x).tobytes()] for x in local])
+    every = [[np.frombuffer(got[r][k][1], np.dtype(got[0][k][0])) for r in range(world)] for k in range(len(local))]
     shards, leaves = dict(shards), list(leaves)
-    for k, (u, j) in enumerate(items):
-        dt = np.dtype(got[0][k][0])
-        flat = np.concatenate([np.frombuffer(got[r][k][1], dt) for r in range(world)])
-        pieces = [jnp.asarray(x) for x in leaf_views(saved[u], flat)]
+    for k, i in enumerate(moved):
+        u = layout.units[i].name
+        pieces = [jnp.asarray(x) for x in leaf_views(saved[u], np.concatenate(every[k]))]
         a, b = layout[u].shard_range(rank)
-        mine = np.asarray(flat_from_pieces(layout[u], pieces))[a:b].astype(dt)
-        if j is None:
-            shards[u] = mine
-        else:
-            leaves[j] = mine
+        shards[u] = np.asarray(flat_from_pieces(layout[u], pieces))[a:b].astype(every[k][0].dtype)
+    for k, (j, p) in enumerate(params, start=len(moved)):
+        leaves[j] = cut_host(tree, layout, p, rank, assemble_host(tree, saved, p, every[k]))
     return shards, leaves
 
 
