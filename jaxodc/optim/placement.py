@@ -515,7 +515,7 @@ class Placer:
                 x = self.whole(x)  # an operand the op broadcasts (a scalar, or unit axes)
             if not isinstance(x, (Local, Broadcast)) and 0 < jnp.ndim(x) and tuple(jnp.shape(x)) != shape:
                 x = Broadcast(jnp.asarray(x), shape, tuple(range(len(shape))))
-            args.append(x if not isinstance(x, (Local, Broadcast)) and jnp.ndim(x) == 0 else self.local(x, layout))
+            args.append(self.local(x, layout))  # scalars too: select_n takes no scalar cases
         return Local(layout, shape, self._bind(eqn, args)[0])
 
     def _broadcast(self, eqn, ins):

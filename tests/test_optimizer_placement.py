@@ -1,0 +1,108 @@
+"""A user's Optax chain on shards means what it means on the whole tree (optim.placement): every
+transformation of the table, at 2 and 3 ranks (3 so that shards cut leaves and rows), the ODC way
+(contiguous shards, EndStep's exchanges) and the collective's (per_leaf shards inside shard_map,
+psum), against single-process Optax on the same gradients, every element; an operation that cannot
+be placed is refused at start, naming it."""
+import os
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+
+STEPS = 3
+
+
+def chains() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def own_norms():
+        """A transformation of the user's own: per-leaf `jnp.linalg.norm`, `jnp.max` over the tree."""
+        def update(u, state, params=None):
+            top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(u)]))
+            return jax.tree.map(lambda x: 0.01 * x / (jnp.linalg.norm(x) + 1.0) / top, u), state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    by_path = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: "bias" not in jax.tree_util.keystr(path), p)
+    return {
+        "adam": optax.adam(1e-2),
+        "adamw_mask_ndim": optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+        "adamw_mask_path": optax.adamw(1e-2, weight_decay=0.1, mask=by_path),
+        "clip_by_global_norm": optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+        "clip": optax.chain(optax.clip(0.3), optax.sgd(1e-2)),
+        "adaptive_grad_clip": optax.chain(optax.adaptive_grad_clip(0.01), optax.sgd(1e-2)),
+        "lamb": optax.lamb(1e-2),
+        "lars": optax.lars(1e-2),
+        "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=2),
+        "muon": optax.contrib.muon(1e-2),
+        "schedule_free_adamw": optax.contrib.schedule_free_adamw(1e-2),
+        "multi_transform_path": optax.multi_transform(
+            {"fast": optax.adam(1e-2), "slow": optax.sgd(1e-3)},
+            lambda p: jax.tree_util.tree_map_with_path(
+                lambda path, x: "fast" if "block" in jax.tree_util.keystr(path) else "slow", p)),
+        "multi_steps": optax.MultiSteps(optax.adam(1e-2), 2),
+        "apply_if_finite": optax.apply_if_finite(optax.adam(1e-2), 3),
+        "own_norms": own_norms(),
+    }
+
+
+def table_body(ctx):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from placement_ranks import collective_way, max_diff, odc_way, params0, reference
+    from jaxodc.modeling.units import make_layout
+    from jaxodc.optim.placement import ParamTree, PlacementError, place
+
+    out = {}
+    for name, tx in chains().items():
+        inf = name == "apply_if_finite"  # a gradient with an inf in step 1: skipped everywhere (a global any)
+        ref = reference(tx, STEPS, inf)
+        moved = max_diff(ref, params0())
+        for world in (2, 3):
+            out[name, world] = (moved, max_diff(odc_way(tx, world, STEPS, inf), ref),
+                                max_diff(collective_way(tx, world, STEPS, inf), ref))
+
+    def peek():  # a callback on a parameter-sized value: cannot run on shards
+        def update(u, state, params=None):
+            jax.debug.callback(lambda x: None, u["block"]["dense"]["kernel"])
+            return u, state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    layout = make_layout(params0(), 2)
+    try:
+        place(optax.chain(peek(), optax.adam(1e-2)), ParamTree.of_layout(layout), layout, 0)
+        out["refused"] = None
+    except PlacementError as e:
+        out["refused"] = str(e)
+    return out
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # about 120 programs compiled: minutes on 2 cores
+
+
+@pytest.fixture(scope="module")
+def table():
+    (res,) = run_ranks(table_body, 1, timeout_s=1500,
+                       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    return res
+
+
+@pytest.mark.parametrize("name", [
+    "adam", "adamw_mask_ndim", "adamw_mask_path", "clip_by_global_norm", "clip", "adaptive_grad_clip", "lamb",
+    "lars", "adafactor", "muon", "schedule_free_adamw", "multi_transform_path", "multi_steps", "apply_if_finite",
+    "own_norms"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_chain_on_shards_equals_whole_tree(table, name, world):
+    moved, odc, coll = table[name, world]
+    assert moved > 1e-4, f"{name}: the reference hardly moved ({moved})"
+    for comm, diff in (("odc", odc), ("collective", coll)):
+        assert diff <= 1e-4 * moved, f"{name}, {comm}, {world} ranks: max |sharded - whole| {diff} vs moved {moved}"
+
+
+def test_unplaceable_operation_is_refused_naming_it(table):
+    msg = table["refused"]
+    assert msg is not None and "debug_callback" in msg and "cannot run on shards" in msg, msg
