@@ -330,12 +330,13 @@ def gathered_peak_units(hlo: str) -> tuple[int, int]:
 
 # ---- the ranks ----
 
-def _reference(case: Case, steps: int, counts: list[int], lr: float):
+def _reference(case: Case, steps: int, counts: list[int], lr: float, optimizer=None):
     """Single-process training (jaxodc.train.reference) of the float leaves on every rank's
     microbatches of each step; other leaves (int, PRNG keys) stay. A loss returning (loss, new
     state) (BatchNorm's batch_stats): the state's leaves are not trained; every microbatch starts
     from the minibatch's state and the minibatch's new state is the count-weighted mean of its
-    microbatches' (docs/any_model.md, "Mutable state"). Returns (last loss, params)."""
+    microbatches' (docs/any_model.md, "Mutable state"). `optimizer`: default clipping + Adam at `lr`.
+    Returns (last loss, params)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -363,7 +364,7 @@ def _reference(case: Case, steps: int, counts: list[int], lr: float):
                 return case.loss_sum(full_of(floats, batch["rest"]), batch["mb"])[0]
             return case.loss_sum(full_of(floats, rest), batch)
 
-    ref = ReferenceTrainer(Floats, _optimizer(lr, optax.clip_by_global_norm), [leaves[i] for i in trained])
+    ref = ReferenceTrainer(Floats, optimizer or _optimizer(lr, optax.clip_by_global_norm), [leaves[i] for i in trained])
     new_state = jax.jit(lambda floats, rest, b: case.loss_sum(full_of(floats, rest), b)[1]) if stateful else None
     loss = None
     for step in range(steps):

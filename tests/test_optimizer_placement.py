@@ -2,8 +2,7 @@
 transformation of the table, at 2 and 3 ranks (3 so that shards cut leaves and rows), the ODC way
 (contiguous shards, EndStep's exchanges) and the collective's (per_leaf shards inside shard_map,
 psum), against single-process Optax on the same gradients, every element; an operation that cannot
-be placed is refused at start, naming it."""
-import os
+be placed is refused at start, naming it. The chains are `jaxodc.bench.optim.chains()`."""
 
 import numpy as np
 import pytest
@@ -13,47 +12,12 @@ from harness import run_ranks
 STEPS = 3
 
 
-def chains() -> dict:
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    def own_norms():
-        """A transformation of the user's own: per-leaf `jnp.linalg.norm`, `jnp.max` over the tree."""
-        def update(u, state, params=None):
-            top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(u)]))
-            return jax.tree.map(lambda x: 0.01 * x / (jnp.linalg.norm(x) + 1.0) / top, u), state
-        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-
-    by_path = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, x: "bias" not in jax.tree_util.keystr(path), p)
-    return {
-        "adam": optax.adam(1e-2),
-        "adamw_mask_ndim": optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-        "adamw_mask_path": optax.adamw(1e-2, weight_decay=0.1, mask=by_path),
-        "clip_by_global_norm": optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
-        "clip": optax.chain(optax.clip(0.3), optax.sgd(1e-2)),
-        "adaptive_grad_clip": optax.chain(optax.adaptive_grad_clip(0.01), optax.sgd(1e-2)),
-        "lamb": optax.lamb(1e-2),
-        "lars": optax.lars(1e-2),
-        "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=2),
-        "muon": optax.contrib.muon(1e-2),
-        "schedule_free_adamw": optax.contrib.schedule_free_adamw(1e-2),
-        "multi_transform_path": optax.multi_transform(
-            {"fast": optax.adam(1e-2), "slow": optax.sgd(1e-3)},
-            lambda p: jax.tree_util.tree_map_with_path(
-                lambda path, x: "fast" if "block" in jax.tree_util.keystr(path) else "slow", p)),
-        "multi_steps": optax.MultiSteps(optax.adam(1e-2), 2),
-        "apply_if_finite": optax.apply_if_finite(optax.adam(1e-2), 3),
-        "own_norms": own_norms(),
-    }
-
-
 def table_body(ctx):
     import jax
     import jax.numpy as jnp
     import optax
     from placement_ranks import collective_way, max_diff, odc_way, params0, reference
+    from jaxodc.bench.optim import chains
     from jaxodc.modeling.units import make_layout
     from jaxodc.optim.placement import ParamTree, PlacementError, place
 
@@ -94,7 +58,7 @@ def table():
 @pytest.mark.parametrize("name", [
     "adam", "adamw_mask_ndim", "adamw_mask_path", "clip_by_global_norm", "clip", "adaptive_grad_clip", "lamb",
     "lars", "adafactor", "muon", "schedule_free_adamw", "multi_transform_path", "multi_steps", "apply_if_finite",
-    "own_norms"])
+    "own_norms"])  # jaxodc.bench.optim.chains(), the table bench optim runs on the example Llama
 @pytest.mark.parametrize("world", [2, 3])
 def test_chain_on_shards_equals_whole_tree(table, name, world):
     moved, odc, coll = table[name, world]

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "compile": "jaxodc.bench.compile",
     "load": "jaxodc.bench.load",
     "fuzz": "jaxodc.bench.fuzz",
+    "optim": "jaxodc.bench.optim",
 }
 
 
