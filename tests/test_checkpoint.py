@@ -17,6 +17,8 @@ import pytest
 
 from harness import error_text, run_ranks
 
+pytestmark = pytest.mark.timeout(900)  # the module fixture trains both comms at 2 ranks
+
 W, K, M = 2, 2, 2  # save after K minibatches, then M more
 SIZES = (8, 16, 16, 4)
 # microbatches per rank at each step (ODC: free counts, a rank with none; collective: equal)
@@ -31,9 +33,21 @@ def _model(sizes=SIZES):
 
 
 def _optimizer():
+    """A chain with state of every kind the placed optimizer keeps (optim.placement): replicated
+    counts and flags, parameter pieces (momentum, accumulated gradients), replicated factored
+    statistics (Adafactor), a whole-leaf update (Muon's Newton-Schulz on the gathered matrix)."""
+    import jax
     import optax
-    from jaxodc.optim.clipping import clip_by_global_norm
-    return optax.chain(clip_by_global_norm(0.5), optax.adam(1e-2))
+
+    def label(path, x):
+        if x.ndim == 1:
+            return "vector"
+        return "muon" if "layer_1" in jax.tree_util.keystr(path) else "factored"
+    return optax.MultiSteps(optax.chain(
+        optax.clip_by_global_norm(0.5),
+        optax.multi_transform({"muon": optax.contrib.muon(1e-2), "factored": optax.adafactor(1e-2, min_dim_size_to_factor=2),
+                               "vector": optax.contrib.schedule_free_adamw(1e-2)},
+                              lambda p: jax.tree_util.tree_map_with_path(label, p))), 2)
 
 
 def _microbatch(step, rank, j):
@@ -164,7 +178,7 @@ def _same_state(x, y, what):
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    return root, run_ranks(checkpoint_body, W, args=(root,), timeout_s=240)
+    return root, run_ranks(checkpoint_body, W, args=(root,), timeout_s=600)
 
 
 @pytest.mark.parametrize("comm", ["collective", "odc"])
