@@ -21,12 +21,14 @@ Two kinds of job are disturbed, each compared with an undisturbed run of the sam
 - ``--jobs native`` (default; no jax): a 2-rank job in this process over the native listeners --
   an ODC runtime pair over tcp (`odc_tcp`: minibatches of scatter_accumulate / wait_complete /
   fetch_grad), a lock-step group pair with tcp links (`lockstep_tcp`: all-reduces) and a ring
-  endpoint pair (`ring`: all-reduces). With two ranks every sum is exact whatever the arrival
-  order, so the disturbed results must equal the undisturbed ones bit for bit (`same_params`).
+  endpoint pair (`ring`: all-reduces). The ODC owners sum exactly (accumulate="exact", the opt-in
+  of reproducible runs) and two-rank all-reduces add two terms, so whatever the arrival order the
+  disturbed results must equal the undisturbed ones bit for bit (`same_params`).
 - ``--jobs train``: 2-rank ``jaxodc train`` runs (ODC over tcp: `odc_tcp`, `rendezvous`; two sites
   of DiLoCo: `coord`, `ring`, `shared_state`); their listening ports are found from the ranks'
-  sockets (/proc) and told apart by a handshake with the job secret. `same_params` compares the
-  runs' ``params_sha256`` (the sites': the sha256 of their final shards).
+  sockets (/proc) and told apart by a handshake with the job secret. They run with
+  ``--reproducible``, and `same_params` compares the runs' ``params_sha256`` (the sites': the
+  sha256 of their final shards).
 
 One record per listener: {"listener", "cases", "rejected", "crashes", "same_params"}; `crashes`
 counts ranks that exit non-zero or by a signal or log a sanitizer report, and listeners that stop
@@ -116,8 +118,9 @@ def native_job(job_id: str, secret: bytes, steps: int, started=None) -> dict:
     def rank_main(rank):
         rt = group = ep = None
         try:
+            # the exact sum (opt-in): `same_params` compares bits, which must not depend on arrival order
             rt = Runtime(sizes, rank=rank, world=world, rendezvous=_Rendezvous(ag, rank), job_id=job_id,
-                         transport="tcp", timeout_s=60, device=None, secret=secret)
+                         transport="tcp", timeout_s=60, device=None, secret=secret, accumulate="exact")
             group = LockstepGroup([Channel("reduce", 777, "r")], rank=rank, world=world, link="tcp", timeout_s=60,
                                   allgather=lambda b: ag(("lockstep", next(calls[rank])), rank, b), job_id=job_id,
                                   secret=secret)
@@ -434,10 +437,12 @@ def _secrets_of(pids: list[int]) -> list[bytes]:
 
 # job -> (its jaxodc train arguments, the listeners it opens, its minibatches unless --steps says):
 # enough for the default --cases to reach every listener before the job ends (about 200 cases/s).
+# --reproducible: `same_params` compares the calm and stormy runs' params_sha256, bit for bit.
 TRAIN_JOBS = {
-    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}, 800),
-    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"},
-              1600),
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp", "--reproducible"], {"odc_tcp", "rendezvous"},
+                800),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2", "--reproducible"],
+              {"coord", "ring", "shared_state", "rendezvous"}, 1600),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
                "core dumped", "Fatal Python error", "was killed by")
