@@ -16,9 +16,10 @@ auth frame's limit, auth frames with a wrong secret, without a mac or nonce, ove
 replayed byte for byte, with the wrong type or claims, bodies that are not maps, and idle
 connections. A case is rejected when the service ends the connection without a welcome.
 
-Two kinds of job are disturbed, each compared with an undisturbed run of the same job:
+Two kinds of job are disturbed, each compared with an undisturbed run of the same job; both run
+by default (``--jobs native,train``: every listener), ``--jobs native`` alone is the quick run:
 
-- ``--jobs native`` (default; no jax): a 2-rank job in this process over the native listeners --
+- ``--jobs native`` (no jax): a 2-rank job in this process over the native listeners --
   an ODC runtime pair over tcp (`odc_tcp`: minibatches of scatter_accumulate / wait_complete /
   fetch_grad), a lock-step group pair with tcp links (`lockstep_tcp`: all-reduces) and a ring
   endpoint pair (`ring`: all-reduces). The ODC owners sum exactly (accumulate="exact", the opt-in
@@ -37,8 +38,8 @@ a train job's throughout the job (`Watch`), where one that falls silent counts o
 process outlives the silence by more than `SHUTDOWN_S` (a rank closes its listeners in its normal
 shutdown, just before it exits 0). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
 
-    python -m jaxodc bench fuzz --json fuzz.json                 # native listeners
-    python -m jaxodc bench fuzz --jobs native,train --json fuzz.json   # every listener: ~18 000 cases
+    python -m jaxodc bench fuzz --json fuzz.json                 # every listener: ~18 000 cases (~4 min)
+    python -m jaxodc bench fuzz --jobs native --json fuzz.json   # the native listeners only (no jax)
 """
 from __future__ import annotations
 
@@ -547,10 +548,12 @@ def _merge(records: list[dict]) -> list[dict]:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="jaxodc bench fuzz")
+    p = argparse.ArgumentParser(prog="jaxodc bench fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="one record per listener")
-    p.add_argument("--jobs", default="native", help="native (the C++ listeners, in this process) and/or train "
-                                                    "(jaxodc train runs: every listener), comma separated")
+    p.add_argument("--jobs", default="native,train",
+                   help="native (the C++ listeners odc_tcp, lockstep_tcp, ring, in this process) and/or train "
+                        "(jaxodc train runs: odc_tcp, rendezvous, coord, ring, shared_state), comma separated; "
+                        "default both: every listener")
     p.add_argument("--cases", type=int, default=2000, help="fuzz cases per listener and job")
     p.add_argument("--steps", type=int, help="minibatches of each job (default: 60 for the native job, "
                                              "TRAIN_JOBS' own for the train jobs)")
