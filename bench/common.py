@@ -9,6 +9,19 @@ import time
 
 import numpy as np
 
+def add_reproducible_argument(p) -> None:
+    """--reproducible, for benches that create ODC runtimes (read it with `accumulate_of`)."""
+    p.add_argument("--reproducible", action="store_true",
+                   help="ODC owners sum pushes exactly (order-independent: bit-identical reruns; 16 bytes per owned "
+                        "element instead of 4; CPU owners only). Default: the fp32 sum, or $JAXODC_ODC_ACCUMULATE")
+
+
+def accumulate_of(args) -> str | None:
+    """Runtime(accumulate=) for a bench's --reproducible: "exact", else None (the runtime's
+    default: $JAXODC_ODC_ACCUMULATE or the fp32 sum)."""
+    return "exact" if getattr(args, "reproducible", False) else None
+
+
 def median_time(fn, reps: int, before=None) -> float:
     """Median wall time of fn() over `reps` runs; `before()` runs untimed ahead of each."""
     times = []

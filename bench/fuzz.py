@@ -16,17 +16,20 @@ auth frame's limit, auth frames with a wrong secret, without a mac or nonce, ove
 replayed byte for byte, with the wrong type or claims, bodies that are not maps, and idle
 connections. A case is rejected when the service ends the connection without a welcome.
 
-Two kinds of job are disturbed, each compared with an undisturbed run of the same job:
+Two kinds of job are disturbed, each compared with an undisturbed run of the same job; both run
+by default (``--jobs native,train``: every listener), ``--jobs native`` alone is the quick run:
 
-- ``--jobs native`` (default; no jax): a 2-rank job in this process over the native listeners --
+- ``--jobs native`` (no jax): a 2-rank job in this process over the native listeners --
   an ODC runtime pair over tcp (`odc_tcp`: minibatches of scatter_accumulate / wait_complete /
   fetch_grad), a lock-step group pair with tcp links (`lockstep_tcp`: all-reduces) and a ring
-  endpoint pair (`ring`: all-reduces). With two ranks every sum is exact whatever the arrival
-  order, so the disturbed results must equal the undisturbed ones bit for bit (`same_params`).
+  endpoint pair (`ring`: all-reduces). The ODC owners sum exactly (accumulate="exact", the opt-in
+  of reproducible runs) and two-rank all-reduces add two terms, so whatever the arrival order the
+  disturbed results must equal the undisturbed ones bit for bit (`same_params`).
 - ``--jobs train``: 2-rank ``jaxodc train`` runs (ODC over tcp: `odc_tcp`, `rendezvous`; two sites
   of DiLoCo: `coord`, `ring`, `shared_state`); their listening ports are found from the ranks'
-  sockets (/proc) and told apart by a handshake with the job secret. `same_params` compares the
-  runs' ``params_sha256`` (the sites': the sha256 of their final shards).
+  sockets (/proc) and told apart by a handshake with the job secret. They run with
+  ``--reproducible``, and `same_params` compares the runs' ``params_sha256`` (the sites': the
+  sha256 of their final shards).
 
 One record per listener: {"listener", "cases", "rejected", "crashes", "same_params"}; `crashes`
 counts ranks that exit non-zero or by a signal or log a sanitizer report, and listeners that stop
@@ -35,8 +38,8 @@ a train job's throughout the job (`Watch`), where one that falls silent counts o
 process outlives the silence by more than `SHUTDOWN_S` (a rank closes its listeners in its normal
 shutdown, just before it exits 0). Bars: >= 10 000 cases in all, 0 crashes, every case rejected.
 
-    python -m jaxodc bench fuzz --json fuzz.json                 # native listeners
-    python -m jaxodc bench fuzz --jobs native,train --json fuzz.json   # every listener: ~18 000 cases
+    python -m jaxodc bench fuzz --json fuzz.json                 # every listener: ~18 000 cases (~4 min)
+    python -m jaxodc bench fuzz --jobs native --json fuzz.json   # the native listeners only (no jax)
 """
 from __future__ import annotations
 
@@ -116,8 +119,9 @@ def native_job(job_id: str, secret: bytes, steps: int, started=None) -> dict:
     def rank_main(rank):
         rt = group = ep = None
         try:
+            # the exact sum (opt-in): `same_params` compares bits, which must not depend on arrival order
             rt = Runtime(sizes, rank=rank, world=world, rendezvous=_Rendezvous(ag, rank), job_id=job_id,
-                         transport="tcp", timeout_s=60, device=None, secret=secret)
+                         transport="tcp", timeout_s=60, device=None, secret=secret, accumulate="exact")
             group = LockstepGroup([Channel("reduce", 777, "r")], rank=rank, world=world, link="tcp", timeout_s=60,
                                   allgather=lambda b: ag(("lockstep", next(calls[rank])), rank, b), job_id=job_id,
                                   secret=secret)
@@ -434,10 +438,12 @@ def _secrets_of(pids: list[int]) -> list[bytes]:
 
 # job -> (its jaxodc train arguments, the listeners it opens, its minibatches unless --steps says):
 # enough for the default --cases to reach every listener before the job ends (about 200 cases/s).
+# --reproducible: `same_params` compares the calm and stormy runs' params_sha256, bit for bit.
 TRAIN_JOBS = {
-    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp"], {"odc_tcp", "rendezvous"}, 800),
-    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2"], {"coord", "ring", "shared_state", "rendezvous"},
-              1600),
+    "odc_tcp": (["--ranks", "2", "--comm", "odc", "--transport", "tcp", "--reproducible"], {"odc_tcp", "rendezvous"},
+                800),
+    "sites": (["--groups", "2", "--ranks", "1", "--diloco", "2", "--reproducible"],
+              {"coord", "ring", "shared_state", "rendezvous"}, 1600),
 }
 CRASH_MARKS = ("AddressSanitizer", "runtime error:", "Segmentation fault", "munmap_chunk", "double free",
                "core dumped", "Fatal Python error", "was killed by")
@@ -542,10 +548,12 @@ def _merge(records: list[dict]) -> list[dict]:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="jaxodc bench fuzz")
+    p = argparse.ArgumentParser(prog="jaxodc bench fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="one record per listener")
-    p.add_argument("--jobs", default="native", help="native (the C++ listeners, in this process) and/or train "
-                                                    "(jaxodc train runs: every listener), comma separated")
+    p.add_argument("--jobs", default="native,train",
+                   help="native (the C++ listeners odc_tcp, lockstep_tcp, ring, in this process) and/or train "
+                        "(jaxodc train runs: odc_tcp, rendezvous, coord, ring, shared_state), comma separated; "
+                        "default both: every listener")
     p.add_argument("--cases", type=int, default=2000, help="fuzz cases per listener and job")
     p.add_argument("--steps", type=int, help="minibatches of each job (default: 60 for the native job, "
                                              "TRAIN_JOBS' own for the train jobs)")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxodc.bench.common import print_table, write_records
+from jaxodc.bench.common import add_reproducible_argument, print_table, write_records
 from jaxodc.launch.launcher import launch_ranks, pin_one_core
 
 MiB = 1 << 20
@@ -174,6 +174,7 @@ def _args(argv):
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-onednn", dest="onednn", action="store_false",
                    help="run XLA:CPU's default kernels, which compute bf16 convolutions in fp32 (see ONEDNN)")
+    add_reproducible_argument(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--comm", help=argparse.SUPPRESS)
     p.add_argument("--transport", default="gloo", help=argparse.SUPPRESS)
@@ -208,7 +209,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, f"models_{comm}.json")
             fwd = ["--models", args.models, "--precisions", args.precisions, "--steps", str(args.steps),
-                   "--microbatches", str(args.microbatches), "--lr", str(args.lr)] + ["--tiny"] * args.tiny
+                   "--microbatches", str(args.microbatches), "--lr", str(args.lr)] + ["--tiny"] * args.tiny + [
+                       "--reproducible"] * args.reproducible
             launch_ranks(args.ranks, "jaxodc.bench.models",
                          ["--worker", "--comm", comm, "--transport", transport, "--out", out] + fwd,
                          timeout_s=args.timeout)
@@ -410,7 +412,8 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     W, counts = ctx.world, [args.microbatches] * ctx.world
     example = case.batch(0, 0, 0, case.size)
     optimizer = _optimizer(args.lr, clip_by_global_norm)
-    step = jaxodc.sharded_step(case.model, optimizer, comm=comm, unit_policy=case.policy or None, precision=precision)
+    step = jaxodc.sharded_step(case.model, optimizer, comm=comm, unit_policy=case.policy or None, precision=precision,
+                               reproducible=True if args.reproducible else None)
     # ODC's receive slots at 1/SLOT_DIVISOR of the largest shard, as `bench train --memory` sizes
     # them (1 MiB of a 13.5 MiB shard): pushes go in chunks, the slots stay small beside the bound.
     shard = step.layout(case.params, W, example).largest // W

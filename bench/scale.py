@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from jaxodc.bench.common import fmt_ratio, pooled_ratio, print_table, write_records
+from jaxodc.bench.common import accumulate_of, add_reproducible_argument, fmt_ratio, pooled_ratio, print_table, write_records
 from jaxodc.launch.launcher import launch_ranks, pin_one_core
 
 COMBOS = (("collective@jaxodc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal"))
@@ -68,6 +68,7 @@ def _args(argv):
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--pool", type=int, default=4096, help="samples drawn from the preset")
     p.add_argument("--seed", type=int, default=0)
+    add_reproducible_argument(p)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -131,7 +132,8 @@ def worker(args) -> None:
     lengths = samples.lengths
     opt = lambda: optax.chain(clip_by_global_norm(1.0), optax.adam(1e-3))  # noqa: E731
     coll = CollectiveTrainer(model, opt(), params, transport="jaxodc")
-    rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx)
+    rt = Runtime.create([u.padded for u in make_layout(params, W, order=model.unit_names).units], ctx,
+                        accumulate=accumulate_of(args))
     odc = OdcTrainer(model, opt(), params, rt)
     del params
     coll.warmup([args.max_len])
@@ -319,7 +321,8 @@ def run_world(args, world: int, argv: list[str]) -> dict:
 def _forward(args) -> list[str]:
     keys = ("preset", "minibatch", "minibatches", "max_len", "longest_s", "model", "accelerator", "mfu", "d_model",
             "layers", "heads", "pool", "seed")
-    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (
+        ["--reproducible"] if args.reproducible else [])
 
 
 def run(args, say=print) -> tuple[list[dict], list[dict], list[dict]]:

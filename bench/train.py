@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from jaxodc.bench.common import write_records
+from jaxodc.bench.common import accumulate_of, add_reproducible_argument, write_records
 from jaxodc.launch.launcher import launch_ranks, pin_one_core
 
 # "collective" runs jax's collectives (gloo on CPU); "collective@jaxodc" the same trainer over
@@ -115,9 +115,11 @@ def _args(argv):
                    help="train a generated Llama-style HF checkpoint (--d-model, --layers, --heads) on a generated "
                         "chat JSONL (sft: loss on the assistant turns) or rollout JSONL (grpo: the clipped objective) "
                         "with long-tailed lengths instead of the small LM on plain text (task_workload)")
+    add_reproducible_argument(p)
     p.add_argument("--compare-sum", action="store_true",
                    help="also run odc+lb_mini with the other accumulation of pushes (exact <-> fp32; "
-                        "$JAXODC_ODC_ACCUMULATE picks the main one), interleaved, and print their ratio")
+                        "--reproducible or $JAXODC_ODC_ACCUMULATE picks the main one), interleaved, and print "
+                        "their ratio")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", choices=("train", "memory", "compress"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -294,7 +296,7 @@ def train_worker(args) -> None:
     # (a Program keeps the sharding it was built with: task_workload builds both kinds)
     coll = CollectiveTrainer(model_gloo, _optimizer(args.lr), params, sharding="contiguous")
     coll_j = CollectiveTrainer(model_lockstep, _optimizer(args.lr), params, transport="jaxodc")
-    rt = Runtime.create(runtime_units, ctx)
+    rt = Runtime.create(runtime_units, ctx, accumulate=accumulate_of(args))
     odc = OdcTrainer(model_odc, _optimizer(args.lr), params, rt)
     chosen = {c.strip() for c in args.combos.split(",")}
     combos = tuple(c for c in COMBOS if f"{c[0]}+{c[1]}" in chosen)
@@ -475,6 +477,7 @@ def _forward(args) -> list[str]:
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     out += ["--task", args.task] if args.task else []
     out += ["--compare-sum"] if args.compare_sum else []
+    out += ["--reproducible"] if args.reproducible else []
     return out + [x for s in args.straggle for x in ("--straggle", s)]
 
 

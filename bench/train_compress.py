@@ -24,7 +24,7 @@ import statistics
 
 import numpy as np
 
-from jaxodc.bench.common import print_table, write_records
+from jaxodc.bench.common import accumulate_of, print_table, write_records
 from jaxodc.bench.train import _launch, _optimizer
 
 RUNS = (("odc", "lb_mini", False), ("odc", "lb_mini", True), ("collective", "lb_micro", False),
@@ -46,7 +46,8 @@ def run(args) -> int:
 def compress_argv(args) -> list[str]:
     keys = ("compress", "link_mbps", "link_ms", "compress_steps", "compress_minibatch", "preset", "pool", "max_tokens",
             "d_model", "layers", "heads", "lr", "seed")
-    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (
+        ["--reproducible"] if args.reproducible else [])
 
 
 def _name(comm: str, balance: str, compressed: bool) -> str:
@@ -84,7 +85,8 @@ def worker(args) -> None:
     for comm, balance, compressed in RUNS:
         c = plan if compressed else None
         if comm == "odc":
-            rt = Runtime.create([u.padded for u in layout.units], ctx, transport="tcp", link=link, timeout_s=600.0)
+            rt = Runtime.create([u.padded for u in layout.units], ctx, transport="tcp", link=link, timeout_s=600.0,
+                                accumulate=accumulate_of(args))
             tr = OdcTrainer(model, _optimizer(args.lr), params, rt, owns_runtime=True, compress=c)
         else:
             tr = CollectiveTrainer(model, _optimizer(args.lr), params, compress=c)

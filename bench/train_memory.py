@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from jaxodc.bench.common import print_table, write_records
+from jaxodc.bench.common import accumulate_of, print_table, write_records
 from jaxodc.bench.train import MiB, _forward, _ints, _launch, _optimizer, warmup_odc
 
 
@@ -214,7 +214,8 @@ def worker(args) -> int:
         tr = CollectiveTrainer(model, optimizer, params, precision=args.precision,
                                transport=args.memory_collective_transport)
     else:
-        rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4)
+        rt = Runtime.create([u.padded for u in layout.units], ctx, slot_elems=int(args.memory_slot_mib * MiB) // 4,
+                            accumulate=accumulate_of(args))
         tr = OdcTrainer(model, optimizer, params, rt, precision=args.precision)
     del params
     gc.collect()
@@ -261,7 +262,7 @@ def worker(args) -> int:
     mb_phase, opt_phase, peak_xla = acc["mb_phase"], acc["opt_phase"], acc["peak_xla"]
     bound = S / W + 3 * unit + act["activations"]
     rec = {"kind": "memory", "comm": comm, "transport": "jaxodc" if rt else args.memory_collective_transport,
-           "ranks": W, "rank": rank, "precision": args.precision, "S": S, "S_over_W": S / W,
+           "ranks": W, "rank": rank, "precision": args.precision, "accumulate": rt.accumulate if rt else None, "S": S, "S_over_W": S / W,
            "unsharded_peak": unsharded,
            "largest_unit": unit, "tokens": T, **act, "bound": bound, "peak_rss": peak_rss, "peak_xla": peak_xla,
            "state": state, "mb_phase": mb_phase, "opt_phase": opt_phase,

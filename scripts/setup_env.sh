@@ -45,3 +45,13 @@ fi
 # The checkout itself is the installed package (in-place build): put it on the venv's path.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 [ -f "$SITE/jaxodc-checkout.pth" ] && [ "$(cat "$SITE/jaxodc-checkout.pth")" = "$ROOT" ] || echo "$ROOT" > "$SITE/jaxodc-checkout.pth"
+# The console script [project.scripts] declares (jaxodc = jaxodc.cli:main): pip writes it when it
+# installs the package, but the checkout is on the path through the .pth above, so write it here
+# (only when it differs), so that README's `jaxodc ...` commands run once .venv/bin is on the PATH.
+# -P: the working directory is not put on sys.path, as with pip's scripts.
+SCRIPT="$VENV/bin/jaxodc"
+WANT="$(printf '#!/usr/bin/env bash\n# jaxodc console script, written by scripts/setup_env.sh (checkout: %s)\nexec %q -P -m jaxodc "$@"\n' "$ROOT" "$VENV/bin/python")"
+if [ "$(cat "$SCRIPT" 2>/dev/null)" != "$WANT" ]; then
+  printf '%s\n' "$WANT" > "$SCRIPT"
+fi
+[ -x "$SCRIPT" ] || chmod +x "$SCRIPT"

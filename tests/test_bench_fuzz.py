@@ -2,7 +2,8 @@
 ODC tcp server, the lock-step tcp links and the ring endpoints of a running 2-rank job is rejected,
 no listener dies, and the disturbed job's results are bit-identical to an undisturbed run's; the
 generic cases against a Python listener, the coord dialect against a coordination service, and the
-rule that tells a listener's crash from its rank's shutdown."""
+rule that tells a listener's crash from its rank's shutdown; the default run covers every listener
+(the test of the native job passes --jobs native: the train jobs take minutes)."""
 import json
 
 from jaxodc import auth
@@ -20,6 +21,15 @@ def test_native_listeners_reject_every_case_and_the_job_is_undisturbed(tmp_path,
         assert r["crashes"] == 0, r
         assert r["same_params"] is True, r
     assert "rejected" in capsys.readouterr().out
+
+
+def test_the_default_run_covers_every_listener():
+    """Without --jobs both kinds of job run: the train jobs hold the Python listeners and coord."""
+    from jaxodc import auth
+    from jaxodc.bench import fuzz
+    assert fuzz._args([]).jobs == "native,train"
+    covered = {"odc_tcp", "lockstep_tcp", "ring"} | set().union(*(job[1] for job in fuzz.TRAIN_JOBS.values()))
+    assert covered >= set(auth.LISTENERS) | {"coord"}, set(auth.LISTENERS) - covered
 
 
 def test_every_case_kind_is_refused_by_a_python_listener_too():

@@ -15,7 +15,7 @@ MBS = (1, 2, 4, 8)
 @pytest.mark.slow
 def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     from jaxodc.bench.train import COMBOS, sum_comm
-    combos = COMBOS + ((sum_comm("fp32"), "lb_mini"),)  # --compare-sum: the default exact sum against fp32
+    combos = COMBOS + ((sum_comm("exact"), "lb_mini"),)  # --compare-sum: the default fp32 sum against exact
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",

@@ -360,8 +360,8 @@ def test_sigkilled_launcher_takes_its_ranks_segments_and_ports_along(tmp_path):
 PARENT = """
 import os, subprocess, sys, time
 from jaxodc.launch import launcher
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
-                         preexec_fn=launcher._child_setup(launcher._prctl(), os.getpid()))
+child = subprocess.Popen(launcher._with_parent_death_signal([sys.executable, "-c", "import time; time.sleep(120)"],
+                                                           os.getpid()), start_new_session=True)
 print(child.pid, flush=True)
 time.sleep(120)
 """
@@ -380,6 +380,25 @@ def test_a_rank_dies_with_its_parent_by_the_parent_death_signal():
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+LAUNCH_AFTER_JAX = """
+import jax.numpy as jnp
+jnp.zeros(4).block_until_ready()  # jax's threads run in the launcher
+from jaxodc.launch.launcher import launch_ranks
+launch_ranks(2, "platform", [], timeout_s=60)
+"""
+
+
+def test_launching_after_jax_started_does_not_fork_it():
+    """Ranks start without fork() in a process running jax's threads (no preexec_fn: subprocess
+    runs no at-fork handlers), so jax's "os.fork() was called" warning never shows."""
+    p = subprocess.run([sys.executable, "-c", LAUNCH_AFTER_JAX], env=_env(), cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("[rank ") == 2, p.stdout  # both ranks ran their command
+    out = p.stdout + p.stderr
+    assert "os.fork()" not in out and "RuntimeWarning" not in out, out
 
 
 def test_absurd_rank_counts_are_refused_with_the_reason(tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
-"""The owners' exact accumulation (csrc/odc/accumulator.h): pushes in any order, and from any rank,
-give the same bits, and those bits are the correctly rounded sum of the pushed values (each value
-on the 2^-80 grid, as designed), checked against an exact rational reference."""
+"""The owners' exact accumulation (csrc/odc/accumulator.h), the opt-in of reproducible runs
+(accumulate="exact", reproducible=True): pushes in any order, and from any rank, give the same
+bits, and those bits are the correctly rounded sum of the pushed values (each value on the 2^-80
+grid, as designed), checked against an exact rational reference. The default is the fp32 sum;
+`reproducible=` of sharded_step / Trainer reaches the runtime; GPU owners refuse the exact sum."""
 import os
 from fractions import Fraction
 
@@ -123,14 +125,84 @@ def test_values_outside_the_fixed_point_range():
 
 
 def test_accumulator_memory_and_the_switch(monkeypatch):
+    monkeypatch.delenv("JAXODC_ODC_ACCUMULATE", raising=False)
+    with local_runtime([1000], accumulate=None) as rt:  # the default: the fp32 sum, FSDP's memory
+        assert rt.accumulate == "fp32" and rt.stats()["accum_bytes"] == 4032  # 4 B/element (64-B rounded)
     with local_runtime([1000]) as rt:
-        assert rt.accumulate == "exact" and rt.stats()["accum_bytes"] == 16 * 1000  # 16 B/element (64-B rounded)
-    monkeypatch.setenv("JAXODC_ODC_ACCUMULATE", "fp32")
+        assert rt.accumulate == "exact" and rt.stats()["accum_bytes"] == 16 * 1000  # 16 B/element
+    monkeypatch.setenv("JAXODC_ODC_ACCUMULATE", "exact")
     with local_runtime([1000], accumulate=None) as rt:
-        assert rt.accumulate == "fp32" and rt.stats()["accum_bytes"] == 4032
+        assert rt.accumulate == "exact" and rt.stats()["accum_bytes"] == 16 * 1000
+    with local_runtime([1000], accumulate="fp32") as rt:  # an explicit argument wins over the env
+        assert rt.accumulate == "fp32"
     monkeypatch.setenv("JAXODC_ODC_ACCUMULATE", "fast")
     with pytest.raises(ValueError, match="JAXODC_ODC_ACCUMULATE='fast'"):
         local_runtime([10], accumulate=None)
+
+
+def test_exact_sum_is_refused_for_gpu_owners(monkeypatch):
+    """Pushes into a device accumulator are summed in fp32 in arrival order: "exact" there is
+    refused, naming the rank (no GPU needed: the check is on the resolved device ordinal)."""
+    from jaxodc.odc.runtime import accumulate_mode
+    with pytest.raises(ValueError, match=r"rank 3: accumulate='exact' \(reproducible=True\) is implemented for "
+                                         r"CPU owners only: .*CUDA device 1"):
+        accumulate_mode("exact", 3, 1)
+    monkeypatch.setenv("JAXODC_ODC_ACCUMULATE", "exact")
+    with pytest.raises(ValueError, match="rank 0: JAXODC_ODC_ACCUMULATE='exact'.*CPU owners only"):
+        accumulate_mode(None, 0, 0)
+    assert accumulate_mode("fp32", 0, 0) == "fp32" and accumulate_mode(None, 0, None) == "exact"
+
+
+def _trainer_sum(monkeypatch, env, **kw):
+    """The accumulate mode of the runtime sharded_step(...).init(ctx=) creates for one rank."""
+    from types import SimpleNamespace
+    import jax
+    import optax
+    from jaxodc.models.mlp import MLP
+    from jaxodc.train.api import sharded_step
+    if env is None:
+        monkeypatch.delenv("JAXODC_ODC_ACCUMULATE", raising=False)
+    else:
+        monkeypatch.setenv("JAXODC_ODC_ACCUMULATE", env)
+    model = MLP((4, 8, 2))
+    ctx = SimpleNamespace(rank=0, world=1, rendezvous=None, job_id=f"rp{os.getpid()}", secret=b"")
+    runtime_kw = {"accumulate": kw.pop("accumulate")} if "accumulate" in kw else {}
+    step = sharded_step(model, optax.sgd(0.1), comm="odc", **kw)
+    tr = step.init(model.init(jax.random.PRNGKey(0)), ctx=ctx, device=None, **runtime_kw)
+    try:
+        return tr.rt.accumulate, step.config(model.init(jax.random.PRNGKey(0)), 1)["reproducible"]
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize("env,kw,want", [
+    (None, {}, ("fp32", None)),                              # the default: fp32
+    (None, {"reproducible": True}, ("exact", True)),          # the opt-in
+    ("exact", {}, ("exact", None)),                          # the env still picks when reproducible is not given
+    ("exact", {"reproducible": False}, ("fp32", False)),      # an explicit argument wins over the env
+    ("fp32", {"reproducible": True}, ("exact", True)),
+])
+def test_reproducible_reaches_the_runtime(monkeypatch, env, kw, want):
+    assert _trainer_sum(monkeypatch, env, **kw) == want
+
+
+def test_reproducible_conflicts_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="reproducible=True sums pushes with accumulate='exact', but "
+                                         "accumulate='fp32' was passed too"):
+        _trainer_sum(monkeypatch, None, reproducible=True, accumulate="fp32")
+    with pytest.raises(TypeError, match="reproducible must be True, False or None"):
+        _trainer_sum(monkeypatch, None, reproducible="yes")
+    import jax
+    import optax
+    from jaxodc.models.mlp import MLP
+    from jaxodc.train.api import sharded_step
+    model = MLP((4, 8, 2))
+    params = model.init(jax.random.PRNGKey(0))
+    step = sharded_step(model, optax.sgd(0.1), comm="odc", reproducible=True)
+    with local_runtime([u.padded for u in step.layout(params, 1).units], accumulate="fp32") as rt:
+        with pytest.raises(ValueError, match="rank 0: reproducible=True, but the runtime passed sums pushes with "
+                                             "accumulate='fp32'"):
+            step.init(params, runtime=rt)
 
 
 @pytest.mark.parametrize("n", [100, 1037])  # 1037: odd, and the finish's blocks (512) end mid-shard
@@ -159,7 +231,7 @@ def ranks_body(ctx, transport, seed):
     import time
     from jaxodc.odc import Runtime
     data = pushes(seed, count=6)
-    rt = Runtime.create(SIZES, ctx, transport=transport, timeout_s=60.0, device=None)
+    rt = Runtime.create(SIZES, ctx, transport=transport, timeout_s=60.0, device=None, accumulate="exact")
     for u in range(len(SIZES)):
         rt.publish(u, np.zeros(rt.shard_size(u), np.float32), 0)
     got = []

@@ -52,3 +52,22 @@ def test_pip_install_in_a_fresh_venv_and_the_demo_runs_elsewhere(tmp_path):
     assert "8 ranks, emulated compute: ODC + LB-Mini vs collective + LB-Micro:" in out, out
     assert (work / "demo_out" / "demo.json").stat().st_size > 0
     assert (work / "demo_out" / "demo_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_setup_env_installs_the_console_script(tmp_path):
+    """scripts/setup_env.sh puts the checkout on the venv's path with a .pth, so no pip install
+    writes `jaxodc` into .venv/bin: its last block does (idempotently). Run that block alone on a
+    stand-in venv whose python is this interpreter (a path with a space in it)."""
+    text = open(os.path.join(ROOT, "scripts", "setup_env.sh")).read()
+    block = text[text.index("# The console script"):]
+    venv = tmp_path / "a venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = ["bash", "-euc", f'ROOT={ROOT!r}; VENV={str(venv)!r}\n{block}']
+    _run(script, tmp_path, 30)
+    jaxodc = venv / "bin" / "jaxodc"
+    stamp = jaxodc.stat().st_mtime_ns
+    _run(script, tmp_path, 30)  # the second run leaves it as it is
+    assert jaxodc.stat().st_mtime_ns == stamp and os.access(jaxodc, os.X_OK)
+    out = _run([str(jaxodc), "train", "--help"], tmp_path, 60, env={"PYTHONPATH": ROOT})
+    assert out.startswith("usage: jaxodc train") and "--reproducible" in out, out[:500]

@@ -1,13 +1,14 @@
 """Same seed, same data, same world -> bit-identical parameters and losses: two runs of every mode
 (ODC over shm and tcp, ODC + LB-Steal with the straggler on another rank each time, so that other
 ranks run the microbatches, ODC + TAGC compression, the collective) through `jaxodc train`'s own
-run code, compared by the records' params_sha256 and losses."""
+run code, compared by the records' params_sha256 and losses. Bit-identical ODC runs are the
+opt-in `--reproducible` (the owners' exact sum); the default fp32 sum depends on arrival order."""
 import pytest
 
 from harness import run_ranks
 
 BASE = ["--steps", "3", "--warmup", "0", "--minibatch", "2", "--max-tokens", "32", "--d-model", "16",
-        "--layers", "1", "--heads", "2", "--seed", "3"]
+        "--layers", "1", "--heads", "2", "--seed", "3", "--reproducible"]
 SLOW = "factor=5,rank={},window=0:100"  # that rank's microbatches take 5x as long: the other steals
 # Per group, the runs to compare (argv each); one rank job per group.
 GROUPS = {

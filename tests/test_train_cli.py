@@ -91,6 +91,12 @@ def test_train_checkpoint_and_resume(tmp_path):
     assert json.load(open(ck / "odc-lb_mini" / "manifest.json"))["step"] == 3
 
 
+def test_reproducible_is_forwarded_to_the_ranks():
+    from jaxodc.cli import train as cli
+    assert "--reproducible" in cli.worker_argv(cli.parser().parse_args(["--reproducible"]))
+    assert "--reproducible" not in cli.worker_argv(cli.parser().parse_args([]))
+
+
 def test_path_arguments_are_checked_before_training(tmp_path, capsys):
     missing = tmp_path / "nope"
     code, err = _main(["--checkpoint", str(missing), "--resume"] + SMALL, capsys)

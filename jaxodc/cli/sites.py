@@ -118,7 +118,8 @@ def worker(args, model_of, load_samples) -> None:
     try:
         trainer = Trainer(model, opt, comm="odc", balance=args.balance or "lb_mini", max_tokens=args.max_tokens,
                           params=params, cost=CostModel.for_transformer(args.d_model), ctx=ctx,
-                          min_bucket=args.min_bucket or None, precision=args.precision, transport=args.transport)
+                          min_bucket=args.min_bucket or None, precision=args.precision, transport=args.transport,
+                          reproducible=True if args.reproducible else None)
         site = SiteRank(trainer, cfg, site=args.site, join=args.join)
         try:
             while True:

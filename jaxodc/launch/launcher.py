@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import ctypes
 import os
 import re
 import shutil
@@ -49,7 +48,6 @@ LOG_DIR_ENV = "JAXODC_LOG_DIR"  # where a rank may write its traceback (the laun
 # The least memory a Python rank that imports jax takes; -n beyond MemAvailable / this is refused.
 RANK_MEMORY_FLOOR = 256 << 20
 RANKS_PER_CORE = 16  # beyond this the ranks only fight over the cores
-_PR_SET_PDEATHSIG = 1
 
 # options that take a value (everything up to the script / -m module belongs to the launcher)
 _VALUE_OPTS = {"-n", "--nproc", "--nproc-per-node", "--hosts", "--timeout", "--grace", "--nnodes",
@@ -355,20 +353,25 @@ def _secret_env(args, coordinator: str) -> dict:
         f"--secret-file FILE (the same random bytes on every host) or set ${auth.SECRET_FILE_ENV}")
 
 
-def _child_setup(prctl, launcher_pid: int):
-    """Runs in each rank between fork and exec: die with the launcher, even a SIGKILLed one."""
-    def setup():
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
-            os._exit(128 + signal.SIGKILL)
-    return setup
+# Run by each rank's own process before its command: arm the parent-death signal (it survives
+# exec), then become the command (same pid). A preexec_fn would do this between fork and exec, but
+# one makes subprocess fork() and run the at-fork handlers of whatever the launcher imported (jax
+# warns that forking its threads deadlocks); without one the child runs no Python before exec.
+# -I -S: nothing from the environment, the working directory or site-packages can shadow a module.
+_ARM_AND_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):  # the launcher died before the signal was armed\n"
+    "    os._exit(128 + signal.SIGKILL)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
-def _prctl():
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
-    except (OSError, AttributeError):
-        return None  # not Linux: the watchdog alone covers a killed launcher
+def _with_parent_death_signal(cmd: list[str], launcher_pid: int) -> list[str]:
+    """`cmd` started so that the rank dies with the launcher, even a SIGKILLed one (Linux; elsewhere
+    the watchdog alone covers a killed launcher)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-I", "-S", "-c", _ARM_AND_EXEC, str(launcher_pid), *cmd]
 
 
 def _start_watchdog(job_id: str):
@@ -404,7 +407,7 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
             old_handlers[s] = signal.signal(s, on_signal)
     log_dir = tempfile.mkdtemp(prefix=f"jaxodc_{job_id}_logs_")
     dog = _start_watchdog(job_id)
-    prctl, me = _prctl(), os.getpid()
+    me = os.getpid()
     status = 1
     try:
         for local in range(args.nproc):
@@ -419,10 +422,9 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
             env.update(secret_env)
             env[LOG_DIR_ENV] = log_dir
             try:
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                proc = subprocess.Popen(_with_parent_death_signal(cmd, me), env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                        start_new_session=True,
-                                        preexec_fn=_child_setup(prctl, me) if prctl else None)
+                                        start_new_session=True)
             except (OSError, subprocess.SubprocessError) as e:
                 _err(f"could not start rank {rank}: {e}")
                 job.teardown(args.grace)

@@ -195,13 +195,21 @@ def resolve_device(device: int | str | None, rank: int) -> int | None:
 ACCUMULATE = ("exact", "fp32")
 
 
-def accumulate_mode(accumulate: str | None) -> str:
-    """Runtime's `accumulate`, checked: None means $JAXODC_ODC_ACCUMULATE, else "exact"."""
+def accumulate_mode(accumulate: str | None, rank: int | None = None, device: int | None = None) -> str:
+    """Runtime's `accumulate`, checked: None means $JAXODC_ODC_ACCUMULATE, else "fp32" (FSDP's
+    memory; the exact sum's 16 bytes per owned element are an opt-in). `device`: the owner's CUDA
+    ordinal (None: host memory), where the exact sum is refused."""
     where = "accumulate"
     if accumulate is None:
-        accumulate, where = os.environ.get("JAXODC_ODC_ACCUMULATE") or "exact", "JAXODC_ODC_ACCUMULATE"
+        accumulate, where = os.environ.get("JAXODC_ODC_ACCUMULATE") or "fp32", "JAXODC_ODC_ACCUMULATE"
     if accumulate not in ACCUMULATE:
         raise ValueError(f"{where}={accumulate!r}: use one of {', '.join(ACCUMULATE)}")
+    if accumulate == "exact" and device is not None:
+        # Pushes landing in a device accumulator (cuda_ipc, nvshmem) are summed there in fp32,
+        # in arrival order: "exact" would promise bits it cannot keep.
+        raise ValueError(f"rank {rank}: {where}='exact' (reproducible=True) is implemented for CPU owners only: "
+                         f"this rank's owner memory is on CUDA device {device}; pass device=None to keep it on "
+                         "the host, or use the fp32 sum")
     return accumulate
 
 
@@ -234,7 +242,8 @@ class Runtime:
         job_id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
       accumulate: how this rank sums the pushes it owns: "exact" (order-independent fixed point:
         same pushes, same bits, whatever order they arrive in; 16 bytes per shard element) or
-        "fp32" (arrival order, 4 bytes per element); default $JAXODC_ODC_ACCUMULATE or "exact"
+        "fp32" (arrival order, 4 bytes per element: FSDP's memory); default $JAXODC_ODC_ACCUMULATE
+        or "fp32". "exact" needs host owners (device=None or no GPU): ValueError otherwise
         (csrc/odc/accumulator.h, docs/reproducibility.md).
     """
 
@@ -246,11 +255,11 @@ class Runtime:
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
         ordinal = resolve_device(device, rank)
+        self.accumulate = accumulate_mode(accumulate, rank, ordinal)  # checked before anything is made
         secret = secret_from_env() if secret is None else bytes(secret)
         self._native = _C.OdcRuntime(rank, world, job_id, list(self.unit_sizes), float(timeout_s), listen_host,
                                      int(slot_elems), secret)
         try:
-            self.accumulate = accumulate_mode(accumulate)
             self._native.set_exact_sum(self.accumulate == "exact")
             if link is not None:  # before the peer exchange: peers connect once they know our address
                 self._native.set_link(link.mbps * 1e6 / 8, link.ms / 1e3)

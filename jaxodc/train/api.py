@@ -91,7 +91,7 @@ class ShardedStep:
 
     def __init__(self, model, optimizer: optax.GradientTransformation, comm: str = "odc",
                  compress: Compression | None = None, unit_policy: dict | None = None,
-                 precision: str | MixedPrecision = "fp32"):
+                 precision: str | MixedPrecision = "fp32", reproducible: bool | None = None):
         validate_run(comm, None)
         precision = precision_of(precision)  # checked here, before any rank starts
         if not hasattr(optimizer, "update"):
@@ -100,6 +100,9 @@ class ShardedStep:
             raise TypeError(f"compress must be a jaxodc.compress.Compression or None, got {type(compress).__name__}")
         self.model, self.optimizer, self.comm, self.compress = model, optimizer, comm, compress
         self.unit_policy, self.precision = dict(unit_policy or {}), precision
+        if reproducible is not None and not isinstance(reproducible, bool):
+            raise TypeError(f"reproducible must be True, False or None, got {reproducible!r}")
+        self.reproducible = reproducible
         self._programs: dict = {}
 
     def program(self, params, world: int, example_batch=None) -> Program:
@@ -132,7 +135,8 @@ class ShardedStep:
                                             jax.eval_shape(self.optimizer.init, shapes))
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
                 "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
-                **setting_of(self.compression_plan(params, world, example_batch)), "precision": str(self.precision)}
+                **setting_of(self.compression_plan(params, world, example_batch)), "precision": str(self.precision),
+                "reproducible": self.reproducible}
 
     def init(self, params, *, ctx=None, runtime=None, check: bool = True, example_batch=None,
              **runtime_kwargs) -> ShardedTrainer:
@@ -174,9 +178,12 @@ class ShardedStep:
         program = self.program(params, world, example_batch)
         plan = self.compression_plan(params, world, example_batch)
         if runtime is not None:
+            if self.reproducible and getattr(runtime, "accumulate", "exact") != "exact":
+                raise ValueError(f"rank {runtime.rank}: reproducible=True, but the runtime passed sums pushes with "
+                                 f"accumulate={runtime.accumulate!r}; create it with accumulate='exact'")
             return OdcTrainer(program, self.optimizer, params, runtime, compress=plan, precision=self.precision)
         from jaxodc.odc import Runtime
-        runtime = Runtime.create(program.runtime_units(), ctx, **runtime_kwargs)
+        runtime = Runtime.create(program.runtime_units(), ctx, **_with_accumulate(self.reproducible, runtime_kwargs))
         try:
             return OdcTrainer(program, self.optimizer, params, runtime, owns_runtime=True, compress=plan,
                               precision=self.precision)
@@ -185,9 +192,21 @@ class ShardedStep:
             raise
 
 
+def _with_accumulate(reproducible: bool | None, runtime_kwargs: dict) -> dict:
+    """The ODC runtime's kwargs with `accumulate` set by `reproducible` (None: left to the kwargs
+    or $JAXODC_ODC_ACCUMULATE)."""
+    if reproducible is None:
+        return runtime_kwargs
+    want, given = ("exact" if reproducible else "fp32"), runtime_kwargs.get("accumulate")
+    if given is not None and given != want:
+        raise ValueError(f"reproducible={reproducible} sums pushes with accumulate={want!r}, "
+                         f"but accumulate={given!r} was passed too")
+    return {**runtime_kwargs, "accumulate": want}
+
+
 def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None, *, units=None,
                  comm: str = "odc", compress: Compression | None = None, unit_policy: dict | None = None,
-                 precision: str | MixedPrecision = "fp32"):
+                 precision: str | MixedPrecision = "fp32", reproducible: bool | None = None):
     """The sharded trainer builder for a model or a per-unit function.
 
     Args:
@@ -210,6 +229,12 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
         precision -- fp32 master shards and optimizer, units gathered and computed in bf16, the
         batch's float leaves cast to bf16, gradients sent in the reduce dtype (bf16 unless
         `MixedPrecision(reduce_dtype="fp32")` or "bf16,reduce=fp32") and summed in fp32.
+      reproducible: True: same seed, data and world give bit-identical parameters under
+        comm="odc" too -- owners sum pushes exactly (order-independent fixed point), which costs
+        16 bytes per owned element (4 for the default fp32 sum, FSDP's memory) and under 3% of
+        throughput; CPU owners only (docs/reproducibility.md). False: the fp32 sum. None
+        (default): $JAXODC_ODC_ACCUMULATE, else the fp32 sum. The collective is reproducible
+        either way (its reduction order is fixed).
 
     Returns:
       A `ShardedStep`; `.init(params, ctx=ctx)` gives the trainer (the mutable state).
@@ -220,10 +245,10 @@ def sharded_step(fn=None, optimizer: optax.GradientTransformation | None = None,
     """
     if fn is None:
         return functools.partial(sharded_step, optimizer=optimizer, units=units, comm=comm, compress=compress,
-                                 unit_policy=unit_policy, precision=precision)
+                                 unit_policy=unit_policy, precision=precision, reproducible=reproducible)
     if optimizer is None:
         raise ValueError("sharded_step needs optimizer= (an optax.GradientTransformation)")
-    return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy, precision)
+    return ShardedStep(_as_model(fn, units), optimizer, comm, compress, unit_policy, precision, reproducible)
 
 
 def _task(model, task: str, grpo, precision):
@@ -285,6 +310,8 @@ class Trainer:
         with `grpo`'s settings; a loss function computes it itself, e.g.
         linen_loss_fn(module, grpo.linen_loss)). Samples: jaxodc.modeling.dataset's.
       grpo: the GRPO objective's settings (`jaxodc.modeling.rl.GRPO`; default GRPO()).
+      reproducible: bit-identical parameters across runs under comm="odc" (the exact sum: 16
+        bytes per owned element; see `sharded_step`); None: $JAXODC_ODC_ACCUMULATE, else fp32.
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
         link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
@@ -298,7 +325,7 @@ class Trainer:
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
                  compress: Compression | None = None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
-                 task: str = "sft", grpo=None, **runtime_kwargs):
+                 task: str = "sft", grpo=None, reproducible: bool | None = None, **runtime_kwargs):
         balance = validate_run(comm, balance)
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -319,7 +346,8 @@ class Trainer:
                 params = model.init(jax.random.PRNGKey(seed))
             model, fields, task_config = _task(model, task, grpo, precision)
             self.task = task
-            self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress, precision=precision)
+            self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress, precision=precision,
+                                        reproducible=reproducible)
             # a loss function is traced on one packed microbatch (the batches fit() feeds it)
             example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens, fields=fields).as_dict()
             if ctx.world > 1:
