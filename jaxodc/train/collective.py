@@ -22,6 +22,7 @@ from jaxodc.compress.collective import (UnitExchange, WireBytes, compressed_redu
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.optim.clipping import global_reduction
 from jaxodc.optim.placement import place
+from jaxodc.train.unitwise import memory_schedule
 from jaxodc.train.core import ShardedTrainer, StepResult, microbatches_for, optimizer_step, plan_global_tokens
 from jaxodc.modeling.staging import GatherFn
 from jaxodc.modeling.precision import MixedPrecision, precision_of
@@ -395,7 +396,7 @@ class CollectiveTrainer(ShardedTrainer):
         self._state_size = 1 if state is None else state.size
         self._state_sum = jax.jit(smap(lambda x: jax.lax.psum(x, AXIS), (P(AXIS),), P()))
         self._opt_step = jax.jit(smap(opt_step, (spec_sh, state_specs, spec_sh), (spec_sh, state_specs)),
-                                 donate_argnums=(0, 1, 2))
+                                 donate_argnums=(0, 1, 2), compiler_options=memory_schedule())
         self.version = 0
 
     def _unitwise(self, optimizer, state_specs, spec_sh, smap):
@@ -406,7 +407,7 @@ class CollectiveTrainer(ShardedTrainer):
             others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
             in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
             out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
-            return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,))
+            return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,), compiler_options=memory_schedule())
 
         # traced as inside shard_map: on one rank's shapes
         local_shards = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in self.layout.names}
