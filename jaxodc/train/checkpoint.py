@@ -260,7 +260,9 @@ def _layout_difference(saved: list[dict], mine: list[dict]) -> str | None:
 def _opt_difference(saved: dict, mine: dict) -> str | None:
     if saved.get("treedef") != mine["treedef"]:
         return (f"optimizer-state structure differs: checkpoint {saved.get('treedef')}, "
-                f"this trainer {mine['treedef']}")
+                f"this trainer {mine['treedef']} (another optimizer; or a checkpoint saved before the "
+                f"optimizer was placed on the model's own tree, whose state follows the units' shards: "
+                f"restore it with the jaxodc that wrote it)")
     s, m = saved.get("leaves", []), mine["leaves"]
     if len(s) != len(m):
         return f"optimizer state has {len(s)} leaves in the checkpoint, {len(m)} in this trainer"
