@@ -21,8 +21,14 @@ def table_body(ctx):
     from jaxodc.modeling.units import make_layout
     from jaxodc.optim.placement import ParamTree, PlacementError, place
 
+    def own_vdot():  # an inner product of values whose padding is not zero (x + 1)
+        def update(u, state, params=None):
+            d = sum(jnp.vdot(x + 1.0, x + 1.0) for x in jax.tree.leaves(u))
+            return jax.tree.map(lambda x: 1e-2 * x / jnp.sqrt(d), u), state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
     out = {}
-    for name, tx in chains().items():
+    for name, tx in {**chains(), "own_vdot": own_vdot()}.items():
         inf = name == "apply_if_finite"  # a gradient with an inf in step 1: skipped everywhere (a global any)
         ref = reference(tx, STEPS, inf)
         moved = max_diff(ref, params0())
@@ -58,7 +64,7 @@ def table():
 @pytest.mark.parametrize("name", [
     "adam", "adamw_mask_ndim", "adamw_mask_path", "clip_by_global_norm", "clip", "adaptive_grad_clip", "lamb",
     "lars", "adafactor", "muon", "schedule_free_adamw", "multi_transform_path", "multi_steps", "apply_if_finite",
-    "own_norms"])  # jaxodc.bench.optim.chains(), the table bench optim runs on the example Llama
+    "own_norms", "own_vdot"])  # jaxodc.bench.optim.chains(), and an inner product over padding, the table bench optim runs on the example Llama
 @pytest.mark.parametrize("world", [2, 3])
 def test_chain_on_shards_equals_whole_tree(table, name, world):
     moved, odc, coll = table[name, world]

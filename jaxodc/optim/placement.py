@@ -492,7 +492,9 @@ class Placer:
         if name == "dot_general" and self._is_inner_product(eqn, ins):
             a, b = ins
             pref = eqn.params.get("preferred_element_type")
-            x = jnp.sum(a.x.astype(pref or a.x.dtype) * b.x.astype(pref or b.x.dtype))
+            prod = a.x.astype(pref or a.x.dtype) * b.x.astype(pref or b.x.dtype)
+            valid = valid_mask(a.layout, self.rank)  # padding may hold anything by now
+            x = jnp.sum(prod if valid is None else jnp.where(valid, prod, jnp.zeros_like(prod)))
             return [self.global_reduce(x, "sum").astype(out_avals[0].dtype)]
         if name == "cond":
             return self._cond(eqn, ins)
