@@ -64,7 +64,8 @@ def table():
 @pytest.mark.parametrize("name", [
     "adam", "adamw_mask_ndim", "adamw_mask_path", "clip_by_global_norm", "clip", "adaptive_grad_clip", "lamb",
     "lars", "adafactor", "muon", "schedule_free_adamw", "multi_transform_path", "multi_steps", "apply_if_finite",
-    "own_norms", "own_vdot"])  # jaxodc.bench.optim.chains(), and an inner product over padding, the table bench optim runs on the example Llama
+    "own_norms",  # jaxodc.bench.optim.chains(): the table bench optim runs on the example Llama
+    "own_vdot"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_chain_on_shards_equals_whole_tree(table, name, world):
     moved, odc, coll = table[name, world]
