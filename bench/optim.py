@@ -122,7 +122,7 @@ def _gradients(tr) -> list:
     """The recorded gradients (`_recorded`) of the last minibatch, whole, in the model's tree
     order of parameters; collective over ranks."""
     import jax
-    from jaxodc.optim.placement import assemble_host
+    from jaxodc.optim.pieces import assemble_host
     leaves = jax.tree.leaves(tr.local_opt_state())
     params = tr.optimizer.state_param
     tree = tr.program.param_tree()

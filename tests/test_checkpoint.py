@@ -76,7 +76,7 @@ def _logical(tr, snap):
     collective."""
     from jaxodc.train.checkpoint import sharded_state_leaves
     from jaxodc.modeling.units import leaf_views
-    from jaxodc.optim.placement import assemble_host
+    from jaxodc.optim.pieces import assemble_host
     shards, leaves = snap
     params = sharded_state_leaves(tr)
     vecs = [shards[n] for n in tr.layout.names] + [x for x, p in zip(leaves, params) if p is not None]

@@ -65,7 +65,7 @@ class Program:
 
     def param_tree(self):
         """The model's own parameter tree and where each parameter lives (optim.placement)."""
-        from jaxodc.optim.placement import ParamTree
+        from jaxodc.optim.pieces import ParamTree
         return self.tree if self.tree is not None else ParamTree.of_layout(self.layout)
 
     def runtime_units(self) -> list[int]:
@@ -154,7 +154,7 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
     def unshard(shards, current=None):
         return unshard_tree(plan, shards, list(consts if current is None else current))
 
-    from jaxodc.optim.placement import ParamTree
+    from jaxodc.optim.pieces import ParamTree
     return Program(plan.layout, consts, grad, lambda p, rank: shard_tree(plan, p, rank), unshard, "traced", state,
                    ParamTree.of_plan(plan))
 

@@ -334,7 +334,7 @@ def _reshard(trainer, saved, shards: dict, treedef, leaves: list):
     """Every unit's shard and the optimizer state's parameter pieces, from the checkpoint's layout
     `saved` to the trainer's (module docstring); collective over ranks."""
     from jaxodc.modeling.units import flat_from_pieces, leaf_views
-    from jaxodc.optim.placement import assemble_host, cut_host
+    from jaxodc.optim.pieces import assemble_host, cut_host
     layout, world, rank = trainer.layout, trainer.world, trainer.rank
     moved = [i for i, u in enumerate(saved.units) if u.sharding != layout.units[i].sharding]
     if not moved:
