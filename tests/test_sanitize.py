@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the sanitized build alone takes minutes on two cores
 def test_native_listener_fuzz_under_asan_and_ubsan(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, CASES="400", STEPS="6")
     p = subprocess.run([os.path.join(ROOT, "scripts", "sanitize.sh"), str(tmp_path)], cwd=ROOT, env=env,

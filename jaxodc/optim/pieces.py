@@ -6,8 +6,10 @@ as segments of that rank's shards (modeling/units.py). The functions cut a piece
 (`local_piece`), write pieces back (`join_pieces`), cut a whole value to a piece (`cut`), gather a
 piece into the whole value over ranks (`gather`, through `optim.clipping.global_sum`), and do the
 same on the host for checkpoints (`assemble_host`, `cut_host`). The rank may be a traced value
-(the collective's `axis_index` inside `shard_map`): the per_leaf sharding gives every rank
-segments of one length, whose positions follow the rank.
+(the collective's `axis_index` inside `shard_map`, one program for every rank): the per_leaf
+sharding gives every rank segments of one length, whose positions follow the rank; the contiguous
+one gives segments of the longest length over ranks, whose positions and real lengths a per-rank
+table gives (the rest of each is padding).
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ class Segment:
     """One contiguous run of a parameter's local piece: elements [offset, offset + length) of
     unit `unit`'s shard hold elements start + stride * rank + k of the unit's leaf (flat, of
     `numel`; those at or past `numel` are padding), which is `layer` along `axis` of the
-    parameter when stacked."""
+    parameter when stacked. `ranks` (a traced rank over contiguous shards): per rank (offset,
+    start, held), the segment's first `held` elements real, the rest padding (offset and start
+    then come from the table)."""
 
     unit: str
     offset: int
@@ -57,6 +61,14 @@ class Segment:
     unit_shape: tuple[int, ...]
     layer: int | None = None
     axis: int | None = None
+    ranks: tuple[tuple[int, int, int], ...] | None = None
+
+    def held(self, rank: int) -> int:
+        """Elements of this segment the shards of rank `rank` hold (the rest is padding)."""
+        return self.length if self.ranks is None else self.ranks[rank][2]
+
+    def _column(self, k: int, rank) -> jax.Array:
+        return jnp.asarray([r[k] for r in self.ranks], jnp.int32)[jnp.asarray(rank, jnp.int32)]
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,7 @@ class LeafLayout:
     @property
     def padded(self) -> bool:
         """Whether some local elements may be padding (then reductions mask them)."""
-        return any(s.stride or s.start + s.length > s.numel for s in self.segments)
+        return any(s.stride or s.ranks is not None or s.start + s.length > s.numel for s in self.segments)
 
 
 class ParamTree:
@@ -127,8 +139,7 @@ class ParamTree:
 
     def layouts(self, layout, rank: int | None) -> list[LeafLayout]:
         """Each parameter's local piece under the unit layout `layout`: on rank `rank` (an int),
-        or on any rank (None; the per_leaf sharding only, whose segments have one length on every
-        rank and start at `stride * rank`)."""
+        or on any rank (None: the traced rank; one length on every rank, module docstring)."""
         out = []
         for shape, place in zip(self.shapes, self.places):
             segs = []
@@ -149,9 +160,14 @@ def _segments(spec, j: int, rank: int | None, layer, axis) -> list[Segment]:
         if rank is None:
             return [Segment(spec.name, off, s, 0, s, n, shape, layer, axis)]
         return [Segment(spec.name, off, s, rank * s, 0, n, shape, layer, axis)]
-    if rank is None:
-        raise PlacementError(f"unit {spec.name!r} is sharded contiguously: its pieces differ in length from "
-                             f"rank to rank, so the optimizer needs this rank's index (static) to place them")
+    if rank is None:  # per rank (offset in the shard, start in the leaf, held), padded to the longest
+        table = []
+        for r in range(spec.world):
+            a0, b0 = spec.shard_range(r)
+            x, y = max(o, a0), min(o + n, b0)
+            table.append((x - a0, x - o, y - x) if x < y else (0, n, 0))
+        longest = max(t[2] for t in table)
+        return [Segment(spec.name, 0, longest, 0, 0, n, shape, layer, axis, tuple(table))] if longest else []
     a0, b0 = spec.shard_range(rank)
     x, y = max(o, a0), min(o + n, b0)
     return [Segment(spec.name, x - a0, y - x, x - o, 0, n, shape, layer, axis)] if x < y else []
@@ -160,8 +176,12 @@ def _segments(spec, j: int, rank: int | None, layer, axis) -> list[Segment]:
 # ------------------------------------------------------------------- local pieces of a parameter
 
 def _element_index(seg: Segment, rank) -> jax.Array:
-    """The unit-leaf flat index of each of the segment's local elements (int32)."""
-    return seg.start + seg.stride * jnp.asarray(rank, jnp.int32) + jnp.arange(seg.length, dtype=jnp.int32)
+    """The unit-leaf flat index of each of the segment's local elements (int32; `numel` or past
+    for padding)."""
+    k = jnp.arange(seg.length, dtype=jnp.int32)
+    if seg.ranks is not None:
+        return jnp.where(k < seg._column(2, rank), seg._column(1, rank) + k, seg.numel)
+    return seg.start + seg.stride * jnp.asarray(rank, jnp.int32) + k
 
 
 def _global_flat(seg: Segment, shape: tuple[int, ...], rank) -> jax.Array:
@@ -189,21 +209,34 @@ def flat_index(layout: LeafLayout, rank) -> jax.Array:
     return jnp.concatenate([_global_flat(s, layout.shape, rank) for s in layout.segments])
 
 
-def local_piece(layout: LeafLayout, shards: dict) -> jax.Array:
-    """The local piece (flat) of one parameter out of this rank's shards."""
-    parts = [lax.slice_in_dim(shards[s.unit], s.offset, s.offset + s.length) for s in layout.segments]
+def local_piece(layout: LeafLayout, shards: dict, rank=None) -> jax.Array:
+    """The local piece (flat) of one parameter out of this rank's shards (a table's padding holds
+    whatever follows the real elements)."""
+    parts = []
+    for s in layout.segments:
+        if s.ranks is None:
+            parts.append(lax.slice_in_dim(shards[s.unit], s.offset, s.offset + s.length))
+        else:
+            src = jnp.pad(shards[s.unit], (0, s.length))
+            parts.append(lax.dynamic_slice_in_dim(src, s._column(0, rank), s.length))
     if not parts:
         return jnp.zeros((0,), jnp.float32)
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shard_sizes: dict, dtype=jnp.float32) -> dict:
-    """This rank's shards {unit: [size]} holding the parameters' local pieces (zeros elsewhere)."""
+def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shard_sizes: dict, dtype=jnp.float32,
+                rank=None) -> dict:
+    """This rank's shards {unit: [size]} holding the parameters' local pieces (zeros elsewhere;
+    a table's padding is dropped)."""
     runs: dict[str, list] = {u: [] for u in shard_sizes}
+    tabled: list = []
     for layout, x in zip(layouts, pieces):
         at = 0
         for s in layout.segments:
-            runs[s.unit].append((s.offset, x[at:at + s.length]))
+            if s.ranks is None:
+                runs[s.unit].append((s.offset, x[at:at + s.length]))
+            else:
+                tabled.append((s, x[at:at + s.length]))
             at += s.length
     out = {}
     for unit, size in shard_sizes.items():
@@ -216,6 +249,10 @@ def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shar
         if pos < size:
             parts.append(jnp.zeros((size - pos,), dtype))
         out[unit] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    for s, x in tabled:  # real elements added at the rank's offset (padding adds zeros, or falls off)
+        k = jnp.arange(s.length, dtype=jnp.int32)
+        x = jnp.where(k < s._column(2, rank), x.astype(dtype), jnp.zeros((), dtype))
+        out[s.unit] = out[s.unit].at[s._column(0, rank) + k].add(x, mode="drop")
     return out
 
 
@@ -227,6 +264,9 @@ def cut(full: jax.Array, layout: LeafLayout, rank) -> jax.Array:
         src = flat
         if s.layer is not None:
             src = jnp.reshape(lax.index_in_dim(jnp.reshape(full, layout.shape), s.layer, s.axis, keepdims=False), (-1,))
+        if s.ranks is not None:
+            parts.append(lax.dynamic_slice_in_dim(jnp.pad(src, (0, s.length)), s._column(1, rank), s.length))
+            continue
         if s.stride == 0 and s.start + s.length <= s.numel:
             parts.append(lax.slice_in_dim(src, s.start, s.start + s.length))
             continue

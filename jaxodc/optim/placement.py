@@ -12,7 +12,9 @@ every operation placed (`Placer`):
   kept axes) plus one global reduction: `optim.clipping.global_sum`, the hook the trainers bind to
   their minibatch agreement (ODC: `train.unitwise.EndStep`'s in-program exchange, one per level of
   reductions that read earlier ones; the collective: `psum`). Max, min, any and all travel as every
-  rank's partial in its own row of a zero matrix, so the sum is exact and reduced after it;
+  rank's partial in its own row of a zero matrix, so the sum is exact and reduced after it. A sum
+  stays a `Partial` through linear operations (adding sums, scaling by a replicated value), so a
+  global norm over every leaf is one global sum, not one per leaf;
 * a broadcast of a replicated value onto a leaf (Adafactor's row statistics, a clipping factor) is
   evaluated only at the local elements;
 * an operation that needs a whole leaf (a matrix product over the leaf's own axes, a transpose, a
@@ -36,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.extend.core import Literal
@@ -70,6 +73,19 @@ class Broadcast:
     dims: tuple[int, ...]
 
 
+@dataclass
+class Partial:
+    """A sum over ranks not yet taken: this rank's term of a replicated value (the sum of every
+    rank's `x`)."""
+
+    x: jax.Array
+
+
+# Linear in their Partial operands: (primitive, which operands may be partial).
+_LINEAR = {"add": (0, 1), "sub": (0, 1), "neg": (0,), "mul": (0, 1), "reduce_sum": (0,), "reshape": (0,),
+           "squeeze": (0,), "expand_dims": (0,), "convert_element_type": (0,)}  # (a broadcast would grow the sum)
+
+
 ELEMENTWISE = frozenset("""
 abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz convert_element_type copy copy_p cos
 cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le
@@ -83,6 +99,13 @@ _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives that call a jaxpr once on their own operands (loops and branches are not calls).
 CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                              "custom_vjp_call_jaxpr", "checkpoint", "remat", "custom_lin"})
+
+
+def _zero(x) -> bool:
+    """Whether `x` is known (not traced) to be all zeros."""
+    if isinstance(x, (jax.core.Tracer, Local, Broadcast, Partial)):
+        return False
+    return bool(np.all(np.asarray(x) == 0))
 
 
 def called_jaxpr(eqn):
@@ -129,6 +152,8 @@ class Placer:
     # -- conversions
     def whole(self, v):
         """The value whole on this rank (gathered or materialised)."""
+        if isinstance(v, Partial):
+            return global_sum(v.x)
         if isinstance(v, Local):
             return jnp.reshape(gather(v.x, v.layout, self.rank), v.shape)
         if isinstance(v, Broadcast):
@@ -137,6 +162,7 @@ class Placer:
 
     def local(self, v, layout: LeafLayout) -> jax.Array:
         """The value's elements at `layout`'s local elements (flat)."""
+        v = self.taken(v)
         if isinstance(v, Local):
             if v.layout == layout:
                 return v.x
@@ -164,7 +190,24 @@ class Placer:
         fn = {"max": jnp.max, "min": jnp.min, "and": jnp.all, "or": jnp.any, "prod": jnp.prod}[op]
         return fn(every, axis=0).astype(dtype)
 
-    def reduce(self, v: Local, axes: Sequence[int], op: str) -> jax.Array:
+    def _partial_op(self, eqn, ins: list):
+        """Outputs of a linear operation on sums not yet taken, still not taken; None when the
+        operation is not linear in them (then they are taken first)."""
+        name, dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
+        which = _LINEAR.get(name)
+        partial = [i for i, x in enumerate(ins) if isinstance(x, Partial)]
+        if which is None or not jnp.issubdtype(dtype, jnp.floating) or not set(partial) <= set(which):
+            return None
+        if any(isinstance(x, (Local, Broadcast)) for x in ins):
+            return None
+        if name == "mul" and len(partial) != 1:  # a product of two sums is not a sum
+            return None
+        if name in ("add", "sub") and len(partial) != 2 and not _zero(ins[1 - partial[0]]):
+            return None  # a replicated addend would count W times (but Python's sum() starts at 0)
+        out = self._bind(eqn, [x.x if isinstance(x, Partial) else x for x in ins])
+        return [Partial(y) for y in out]
+
+    def reduce(self, v: Local, axes: Sequence[int], op: str):
         kept = [d for d in range(len(v.shape)) if d not in axes]
         x, dtype = v.x, v.x.dtype
         ident = _identity(op, dtype)
@@ -190,6 +233,8 @@ class Placer:
                 partial = fn(x, seg, n)
             partial = jnp.reshape(partial, out_shape)
         partial = partial.astype(dtype)
+        if op == "sum" and jnp.issubdtype(dtype, jnp.floating):
+            return Partial(partial)  # taken where something other than a linear operation reads it
         return self.global_reduce(partial, op)
 
     # -- the jaxpr
@@ -209,8 +254,18 @@ class Placer:
                 env[var] = x
         return [read(a) for a in jaxpr.outvars]
 
+    def taken(self, v):
+        """`v` with a sum not yet taken taken."""
+        return self.whole(v) if isinstance(v, Partial) else v
+
     def eqn(self, eqn, ins: list) -> list:
         name = eqn.primitive.name
+        if any(isinstance(x, Partial) for x in ins):
+            outs = self._partial_op(eqn, ins)
+            if outs is not None:
+                return outs
+            if called_jaxpr(eqn) is None:
+                ins = [self.taken(x) for x in ins]
         placed = [isinstance(x, (Local, Broadcast)) for x in ins]
         if not any(placed):
             return self._bind(eqn, ins)
@@ -326,7 +381,8 @@ class PlacedOptimizer:
       tree: the model's tree (`ParamTree`).
       layout: the unit layout (modeling/units.py).
       rank: this rank, or None for "traced" (then `rank_fn` gives it while tracing: the
-        collective's `axis_index`; the per_leaf sharding only).
+        collective's `axis_index`; one program for every rank, pieces of one length, those of
+        contiguous shards padded to the longest: see `held` / `padded`).
       rank_fn: () -> the traced rank, with rank=None.
     """
 
@@ -359,14 +415,33 @@ class PlacedOptimizer:
     @property
     def state_units(self) -> list[str | None]:
         """Per state leaf: the unit its piece lies in when it lies in one, else None (shared)."""
+        return [self.tree.places[i].units[0] if i is not None and len(self.tree.places[i].units) == 1 else None
+                for i in self.state_param]
+
+    def held(self, leaves: Sequence, rank: int) -> list:
+        """State leaves (host arrays, tree order) of rank `rank` with each piece's padding rows of a
+        traced rank's table cut away: the pieces as `tree.layouts(layout, rank)` places them, which
+        checkpoints keep."""
+        return [x if i is None else np.concatenate([np.zeros(0, np.asarray(x).dtype)] + [
+            np.asarray(x)[at:at + s.held(rank)] for s, at in _starts(self.layouts[i])]) for x, i in
+            zip(leaves, self.state_param)]
+
+    def padded(self, leaves: Sequence, rank: int) -> list:
+        """The inverse of `held`: pieces padded with zeros to this optimizer's local lengths."""
         out = []
-        for i in self.state_param:
-            units = {s.unit for s in self.layouts[i].segments} if i is not None else set()
-            out.append(units.pop() if len(units) == 1 else None)
+        for x, i in zip(leaves, self.state_param):
+            if i is not None:
+                x, parts, at = np.asarray(x), [], 0
+                for s, _ in _starts(self.layouts[i]):
+                    parts.append(np.pad(x[at:at + s.held(rank)], (0, s.length - s.held(rank))))
+                    at += s.held(rank)
+                x = np.concatenate([np.zeros(0, x.dtype)] + parts)
+            out.append(x)
         return out
 
     def _pieces(self, shards: dict) -> list[Local]:
-        return [Local(lay, lay.shape, local_piece(lay, shards)) for lay in self.layouts]
+        rank = self.rank
+        return [Local(lay, lay.shape, local_piece(lay, shards, rank)) for lay in self.layouts]
 
     def _state_in(self, leaves) -> list:
         return [Local(self.layouts[i], self.layouts[i].shape, x) if i is not None else x
@@ -402,14 +477,17 @@ class PlacedOptimizer:
         upd = [self._clean(placer, placer.local(v, lay), i).astype(jnp.float32)
                for i, (v, lay) in enumerate(zip(outs[:n], self.layouts))]
         new = self._state_out(placer, outs[n:])
-        return join_pieces(self.layouts, upd, self._sizes), jax.tree_util.tree_unflatten(self._state_def, new)
+        return (join_pieces(self.layouts, upd, self._sizes, rank=placer.rank),
+                jax.tree_util.tree_unflatten(self._state_def, new))
 
     def local_state_shapes(self, rank: int = 0):
-        """The state's local shapes on a rank (per_leaf: one length on every rank)."""
+        """The state's local shapes on a rank (a traced rank: one length on every rank)."""
         shards = {n: jax.ShapeDtypeStruct((k,), jnp.float32) for n, k in self._sizes.items()}
         probe = PlacedOptimizer.__new__(PlacedOptimizer)
         probe.__dict__.update(self.__dict__)
-        probe._rank, probe.layouts = rank, self.tree.layouts(self.unit_layout, rank)
+        # a traced rank's layouts have one length on every rank: probe them with a concrete one
+        probe._rank = rank
+        probe.layouts = self.layouts if self._rank is None else self.tree.layouts(self.unit_layout, rank)
         return jax.eval_shape(probe.init, shards), shards, probe
 
     def check(self) -> None:
@@ -417,6 +495,15 @@ class PlacedOptimizer:
         operation is tried on abstract local pieces, with `global_sum` the identity)."""
         state, shards, probe = self.local_state_shapes(self._rank if self._rank is not None else 0)
         jax.eval_shape(probe.update, shards, state, shards)
+
+
+def _starts(layout: LeafLayout) -> list:
+    """(segment, its first local element) of each of the layout's segments."""
+    out, at = [], 0
+    for s in layout.segments:
+        out.append((s, at))
+        at += s.length
+    return out
 
 
 def place(optimizer: optax.GradientTransformation, tree: ParamTree, layout, rank: int | None,

@@ -233,17 +233,17 @@ LOCKSTEP_SUM_MAX = 4096  # elements of one global sum over the lock-step transpo
 
 
 def lockstep_sum(group, channel: int) -> Callable[[jax.Array], jax.Array]:
-    """A scalar all-sum over `group`'s reduce channel `channel` (psum's replacement). Calls on one
-    channel must not overlap, so each call of one traced function waits for the previous one's
-    result (an optimization barrier): make a fresh one per trace."""
+    """A scalar all-sum over `group`'s reduce channel `channel` (psum's replacement; the channel
+    has two elements). Calls on one channel must not overlap, so each call of one traced function
+    takes the previous one's result as its second element, a data dependency (XLA's CPU runtime
+    drops optimization barriers' ordering): make a fresh one per trace."""
     from jaxodc.ops.lockstep import lockstep_collective
 
-    prev = []
+    prev = [jnp.zeros((1,), jnp.float32)]
 
     def scalar(x):
-        if prev:
-            x, _ = jax.lax.optimization_barrier((x, prev[-1]))
-        y = lockstep_collective(jnp.reshape(x, (1,)).astype(jnp.float32), group=group, channel=channel)
+        y = lockstep_collective(jnp.concatenate([jnp.reshape(x, (1,)).astype(jnp.float32), prev[-1]]),
+                                group=group, channel=channel)[:1]
         prev.append(y)
         return y
 
@@ -337,7 +337,9 @@ class CollectiveTrainer(ShardedTrainer):
         local = self.program.shard(params, self.rank)
         self.shards = {n: self._global(local[n]) for n in names}
         # the user's chain, meaning on this rank's shards what it means on the whole tree; inside
-        # shard_map the rank is traced (per_leaf shards have one length on every rank)
+        # shard_map the rank is traced, one program for every rank (contiguous shards cut a
+        # parameter into pieces whose lengths differ from rank to rank: each is padded to the
+        # longest, so the state can exceed 1/W of the whole then; per_leaf pieces need no padding)
         self.optimizer = optimizer = place(optimizer, self.program.param_tree(), self.layout, None,
                                            rank_fn=lambda: jax.lax.axis_index(AXIS))
         state_shapes = optimizer.local_state_shapes()[0]
@@ -448,7 +450,7 @@ class CollectiveTrainer(ShardedTrainer):
                              Channel("gather", s, f"{name} all_gather (backward)", dtype),
                              Channel("scatter", s, f"{name} reduce_scatter", dtype)]
         sums = {"loss": len(channels), "optimizer": len(channels) + 1}
-        channels += [Channel("reduce", 1, "loss all-sum"), Channel("reduce", 1, "optimizer all-sums")]
+        channels += [Channel("reduce", 2, "loss all-sum"), Channel("reduce", 2, "optimizer all-sums")]  # lockstep_sum
         self._host_channel = len(channels)
         channels.append(Channel("gather", _HOST_WORDS, "allgather_bytes"))
         self.group = LockstepGroup(channels, rank=self.rank, world=self.world, allgather=self.allgather_bytes, **kwargs)
@@ -545,7 +547,7 @@ class CollectiveTrainer(ShardedTrainer):
             new = self.program.state.updated(self.consts, total)
             self.consts = tuple(c if c is old else self._replicated(c) for c, old in zip(new, self.consts))
         self.shards, self.opt_state = self._optimize(self.shards, self.opt_state, acc)
-        jax.block_until_ready(self.shards)
+        jax.block_until_ready((self.shards, self.opt_state))
         res.opt = (t0, time.perf_counter())
         res.end_s = res.opt[1] - t0
         res.loss, res.t_end, res.cpu = loss, res.opt[1], time.process_time() - cpu0
@@ -602,15 +604,19 @@ class CollectiveTrainer(ShardedTrainer):
         return {n: np.asarray(a.addressable_data(0)) for n, a in self.shards.items()}
 
     def local_opt_state(self):
-        return jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), self.opt_state)
+        leaves, treedef = jax.tree_util.tree_flatten(self.opt_state)
+        return jax.tree_util.tree_unflatten(
+            treedef, self.optimizer.held([np.asarray(a.addressable_data(0)) for a in leaves], self.rank))
 
     def load_local_state(self, shards: dict, opt_state, version: int) -> None:
         """Replace this rank's shards and optimizer state (local numpy values, the structure of
         local_shards() / local_opt_state()) and the step counter; every rank calls it together
         (checkpoint.restore does)."""
         self.shards = {n: self._global(np.asarray(shards[n], np.float32)) for n in self.layout.names}
-        self.opt_state = jax.tree_util.tree_map(
-            lambda cur, x: jax.make_array_from_process_local_data(cur.sharding, np.asarray(x, cur.dtype), cur.shape),
-            self.opt_state, opt_state)
+        cur, treedef = jax.tree_util.tree_flatten(self.opt_state)
+        local = self.optimizer.padded(jax.tree_util.tree_leaves(opt_state), self.rank)
+        self.opt_state = jax.tree_util.tree_unflatten(treedef, [
+            jax.make_array_from_process_local_data(c.sharding, np.asarray(x, c.dtype), c.shape)
+            for c, x in zip(cur, local)])
         self.version = int(version)
         self.residuals = self._zero_residuals()

@@ -1,6 +1,7 @@
 """W ranks of a placed optimizer (optim.placement) in one process, against Optax on the whole tree:
 ODC's way (contiguous shards, a static rank each, EndStep's partial sums summed by hand level by
-level) and the collective's (per_leaf shards, the rank traced inside shard_map, global_sum = psum).
+level) and the collective's (the rank traced inside shard_map, global_sum = psum; per_leaf shards,
+or contiguous ones, whose pieces are padded to one length).
 Run in a process with at least 3 CPU devices (XLA_FLAGS)."""
 import jax
 import jax.numpy as jnp
@@ -69,9 +70,9 @@ def odc_way(tx, world: int, steps: int, inject_inf=False):
     return unshard_params(layout, [_host(s) for s in shards])
 
 
-def collective_way(tx, world: int, steps: int, inject_inf=False):
+def collective_way(tx, world: int, steps: int, inject_inf=False, sharding="per_leaf"):
     p = params0()
-    layout = make_layout(p, world, sharding="per_leaf")
+    layout = make_layout(p, world, sharding=sharding)
     axis = "ranks"
     mesh = Mesh(np.array(jax.devices()[:world]), (axis,))
     opt = place(tx, ParamTree.of_layout(layout), layout, None, rank_fn=lambda: jax.lax.axis_index(axis))
