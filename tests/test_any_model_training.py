@@ -1,7 +1,8 @@
 """Models that were not written for jaxodc, trained by the sharded trainers across processes: a
 linen Llama (nn.scan stack, tied head), an nnx classifier, a plain-JAX loss (lax.scan, lax.cond,
-custom_vjp, a frozen subtree, an int leaf), a linen CNN with BatchNorm (mutable batch_stats) and an
-nnx net with BatchNorm and dropout (mutable nnx.BatchStat), against single-process
+custom_vjp, a frozen subtree, an int leaf), a linen CNN with BatchNorm (mutable batch_stats), an
+nnx net with BatchNorm and dropout (mutable nnx.BatchStat) and a linen net with a frozen BatchNorm
+(its statistics are no parameters: they must not move), against single-process
 jax.value_and_grad training on the same data, at 1, 2 and 3 ranks."""
 import functools
 
@@ -51,7 +52,7 @@ def nnx_case():
         rs = np.random.RandomState([step, rank, j, 1])
         return {"x": rs.standard_normal((3, 8)).astype(np.float32), "y": rs.randint(0, 5, 3).astype(np.int32),
                 "mask": np.ones(3, np.float32)}
-    return loss_fn, tree, batch, lambda b: float(b["mask"].sum()), {"frozen": ("state/*",)}
+    return loss_fn, tree, batch, lambda b: float(b["mask"].sum()), {}  # nnx_loss_fn freezes "state" itself
 
 
 def plain_case():
@@ -81,6 +82,28 @@ def cnn_case():
         return {"x": x[idx] * mask[:, None, None, None], "y": y[idx], "mask": mask}
     params = jax.jit(model.init)(jax.random.key(0), batch(0, 0, 0))
     return loss_fn, params, batch, lambda b: float(b["mask"].sum()), {}
+
+
+def linen_frozen_bn_case():
+    """Dense -> BatchNorm(use_running_average=True) -> Dense: the statistics are read, not
+    updated, and get a gradient; one process trains only "params"."""
+    import flax.linen as nn
+    from jaxodc.modeling.adapters import linen_loss_fn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, b):
+            h = nn.BatchNorm(use_running_average=True)(nn.Dense(6)(b["x"]))
+            return jnp.sum((nn.Dense(2)(jax.nn.relu(h)) - b["t"]) ** 2)
+
+    def batch(step, rank, j):
+        rs = np.random.RandomState([step, rank, j, 5])
+        return {"x": rs.standard_normal((4, 3)).astype(np.float32), "t": rs.standard_normal((4, 2)).astype(np.float32)}
+    variables = jax.jit(Net().init)(jax.random.key(0), batch(0, 0, 0))
+    variables = jax.tree_util.tree_map(np.asarray, variables)
+    variables["batch_stats"] = {k: {"mean": np.full(6, 0.3, np.float32), "var": np.full(6, 2.0, np.float32)}
+                                for k in variables["batch_stats"]}
+    return linen_loss_fn(Net(), lambda apply, b: apply(b)), variables, batch, lambda b: 4.0, {}
 
 
 def nnx_bn_model():
@@ -133,7 +156,8 @@ def load_digits_cached():
     return d.data[:200], d.target[:200]
 
 
-CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case, "cnn": cnn_case, "nnx_bn": nnx_bn_case}
+CASES = {"llama": llama_case, "nnx": nnx_case, "plain": plain_case, "cnn": cnn_case, "nnx_bn": nnx_bn_case,
+         "linen_frozen_bn": linen_frozen_bn_case}
 
 
 def host(x):
@@ -155,7 +179,11 @@ def counts(world, comm):
 def reference(case, comm, world):
     """Single-process training on the union of every rank's microbatches."""
     loss_fn, params, batch, count, policy = CASES[case]()
-    return _reference(loss_fn, params, batch, count, comm, world, policy.get("frozen", ()))
+    return _reference(loss_fn, params, batch, count, comm, world, policy.get("frozen", ()) + NOT_PARAMS.get(case, ()))
+
+
+# What one process does not train although the sharded trainers are told nothing: the adapters say it.
+NOT_PARAMS = {"nnx": ("state/*",), "linen_frozen_bn": ("batch_stats/*",)}
 
 
 def _reference(loss_fn, params, batch, count, comm, world, frozen=()):
@@ -260,6 +288,7 @@ RUNS += [pytest.param(*run, marks=pytest.mark.slow) for run in [
     ("llama", "collective", 1), ("nnx", "odc", 1), ("plain", "odc", 1)]]
 RUNS += [("cnn", comm, world) for world in (1, 2, 3) for comm in ("odc", "collective")]
 RUNS += [("nnx_bn", comm, 2) for comm in ("odc", "collective")]
+RUNS += [("linen_frozen_bn", comm, 2) for comm in ("odc", "collective")]
 
 
 @pytest.mark.parametrize("case,comm,world", RUNS)
@@ -272,6 +301,10 @@ def test_sharded_training_equals_single_process(case, comm, world):
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(full), jax.tree_util.tree_leaves(ref_params)):
             np.testing.assert_allclose(a, host(b), rtol=1e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
     assert len(results[0][2]) > 2  # the discovered units
+    if case == "linen_frozen_bn":  # the statistics stayed as they were
+        for (_, full, _) in results:
+            assert all(np.array_equal(s["mean"], np.full(6, 0.3, np.float32)) and np.array_equal(s["var"], np.full(6, 2.0, np.float32))
+                       for s in full["batch_stats"].values())
     if case == "nnx_bn":  # the statistics moved from their initial zeros and ones
         stats = ref_params["state"]["bn"]
         assert np.abs(np.asarray(stats["mean"])).min() > 1e-3 and np.abs(np.asarray(stats["var"]) - 1).min() > 1e-3

@@ -108,15 +108,16 @@ def test_sites_found_and_levels():
     shards = {"a": jnp.zeros(4), "b": jnp.zeros(3)}
     opts = {k: placed(o, sizes, 1, 0) for k, o in optimizers(7).items()}
     ends = {k: EndStep(o, shards, o.init(shards)) for k, o in opts.items()}
-    # a norm's partial sums: one per parameter; the mean square reads the clipped updates
-    assert [len(e.sites) for e in ends.values()] == [0, 2, 4]
-    assert ends["clip+global_mean+adam"].levels == [0, 0, 1, 1]
+    # a norm: one sum of every parameter's partial (they add up before it is taken); the mean
+    # square reads the clipped updates, a level later
+    assert [len(e.sites) for e in ends.values()] == [0, 1, 2]
+    assert ends["clip+global_mean+adam"].levels == [0, 1]
     assert all(e.separable for e in ends.values()), {k: e.reason for k, e in ends.items()}
     # clipping after momentum reads every unit's new momentum through the norm: per unit once the
     # norm is fed in (train.unitwise.UnitwiseOptimizer refuses it)
     late = placed(optax.chain(optax.sgd(1e-2, momentum=0.9), optax.clip_by_global_norm(0.05)), sizes, 1, 0)
     end = EndStep(late, shards, late.init(shards))
-    assert end.separable and end.levels == [0, 0], (end.reason, end.levels)
+    assert end.separable and end.levels == [0], (end.reason, end.levels)
     # one vector of all units: each parameter is gathered (a site each), so every unit's update reads
     # the exchanged values, never another unit's shard
     flat = placed(optax.flatten(optax.adamw(1e-2, weight_decay=0.1)), sizes, 1, 0)

@@ -124,6 +124,9 @@ def traced_program(loss_fn: Callable, params, example_batch, world: int, *, coun
     from jaxodc.modeling.gather_on_use import microbatch_grad_any, plan_for
     from jaxodc.modeling.state import ModelState, default_count, freeze_patterns, model_state
 
+    own = tuple(getattr(loss_fn, "frozen", ()))  # what the loss says is no parameter (adapters.py)
+    if own:
+        policy["frozen"] = tuple(policy.get("frozen") or ()) + own
     paths = model_state(loss_fn, params, example_batch)
     if paths:  # state leaves are constants whatever the unit policy says
         policy["frozen"] = tuple(policy.get("frozen") or ()) + freeze_patterns(paths)

@@ -128,7 +128,8 @@ class ShardedStep:
 
     def config(self, params, world: int, example_batch=None) -> dict:
         """What every rank must agree on before training: comm, layout, optimizer-state structure,
-        compression setting."""
+        compression setting, and the initial values themselves (a digest: ranks that initialised
+        from their own seeds would stitch one model out of several)."""
         layout = self.layout(params, world, example_batch)
         shapes = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
         opt_struct = jax.tree_util.tree_map(lambda s: (tuple(s.shape), str(s.dtype)),
@@ -136,7 +137,9 @@ class ShardedStep:
         return {"comm": self.comm, "layout fingerprint": layout.fingerprint(),
                 "optimizer-state structure": _digest(jax.tree_util.tree_flatten(opt_struct)),
                 **setting_of(self.compression_plan(params, world, example_batch)), "precision": str(self.precision),
-                "reproducible": self.reproducible}
+                "reproducible": self.reproducible,
+                "initial parameter values (a digest: every rank must pass the same; init from one seed, not the "
+                "rank)": _values_digest(params)}
 
     def init(self, params, *, ctx=None, runtime=None, check: bool = True, example_batch=None,
              **runtime_kwargs) -> ShardedTrainer:
@@ -274,6 +277,17 @@ def _digest(x) -> str:
     return hashlib.sha256(repr(x).encode()).hexdigest()[:12]
 
 
+def _values_digest(params) -> str | None:
+    """A digest of every leaf's bytes (None for abstract parameters, e.g. a checkpoint each rank
+    reads its own ranges of)."""
+    from jaxodc.comm.hashing import hash_array
+    leaves = jax.tree_util.tree_leaves(params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return None
+    keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    return _digest([hash_array(np.asarray(keys(x))) for x in leaves])
+
+
 class Trainer:
     """Train a unit-staged model on variable-length token samples across the ranks of a job.
 
@@ -298,7 +312,9 @@ class Trainer:
       ctx: the job's `jaxodc.launch.Context` (default: init_from_env(), closed by close()).
         comm="collective" also needs `jaxodc.launch.init_jax_distributed(ctx)` before jax is used.
       min_bucket: bucketed row lengths (packing.bucket), so compute follows content.
-      seed: the parameter init seed when `params` is None.
+      seed: the parameter init seed when `params` is None, and the dropout keys' (a loss function
+        naming rng streams gets `modeling.adapters.microbatch_key(seed, step, samples)` in every
+        packed batch: the same masks on whichever rank runs a microbatch).
       compress: TAGC gradient compression (`jaxodc.compress.Compression`: which parameters, kept
         fraction, sketch ratio), None for none; records then report wire bytes, kept fraction and
         peeled / estimated counts.
@@ -312,6 +328,13 @@ class Trainer:
       grpo: the GRPO objective's settings (`jaxodc.modeling.rl.GRPO`; default GRPO()).
       reproducible: bit-identical parameters across runs under comm="odc" (the exact sum: 16
         bytes per owned element; see `sharded_step`); None: $JAXODC_ODC_ACCUMULATE, else fp32.
+      normalize: what the minibatch's summed loss is divided by: "tokens" (its loss tokens, a
+        language model's mean per token), "samples" (its number of samples: a per-sample loss,
+        classification, a reward model) or "none" (the sum); the same on every rank (checked).
+      frozen: path patterns (globs over "/"-joined paths, or "re:" regexes) of float leaves of a
+        loss function's `params` that must not train (a frozen embedding, a reference model, a
+        buffer): kept whole on every rank, no gradient. Linen collections other than "params" and
+        nnx variables other than `Param` are frozen already (modeling/adapters.py).
       **runtime_kwargs: for `jaxodc.odc.Runtime` (comm="odc"), e.g. timeout_s, transport,
         link=jaxodc.odc.Link(mbps, ms) (an emulated slower network on the tcp transport).
 
@@ -325,8 +348,12 @@ class Trainer:
                  balance: str | None = None, max_tokens: int, params: dict | None = None,
                  cost: CostModel | None = None, ctx=None, min_bucket: int | None = None, seed: int = 0,
                  compress: Compression | None = None, precision: str | MixedPrecision = "fp32", straggle: Straggle | None = None,
-                 task: str = "sft", grpo=None, reproducible: bool | None = None, **runtime_kwargs):
+                 task: str = "sft", grpo=None, reproducible: bool | None = None, frozen: Sequence[str] = (),
+                 normalize: str = "tokens", **runtime_kwargs):
         balance = validate_run(comm, balance)
+        from jaxodc.train.core import NORMALIZE
+        if normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
         if int(max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self._own_ctx = ctx is None
@@ -346,21 +373,30 @@ class Trainer:
                 params = model.init(jax.random.PRNGKey(seed))
             model, fields, task_config = _task(model, task, grpo, precision)
             self.task = task
+            if isinstance(frozen, str):
+                raise TypeError(f"frozen must be a sequence of path patterns, got the string {frozen!r}")
             self.step_fn = sharded_step(model, optimizer, comm=comm, compress=compress, precision=precision,
-                                        reproducible=reproducible)
+                                        reproducible=reproducible,
+                                        unit_policy={"frozen": tuple(frozen)} if frozen else None)
             # a loss function is traced on one packed microbatch (the batches fit() feeds it)
             example = None if hasattr(model, "apply_unit") else pack([], self.max_tokens, fields=fields).as_dict()
+            streams = tuple(getattr(model, "rng_streams", ()))  # modeling/adapters.py
+            if streams:
+                from jaxodc.train.core import with_key
+                example = with_key(example, seed, 0, ())
             if ctx.world > 1:
                 config = {**self.step_fn.config(params, ctx.world, example), **task_config, "balance": balance,
                           "max_tokens": self.max_tokens, "min_bucket": min_bucket,
                           "cost": [float(self.cost.a), float(self.cost.b), float(self.cost.c)],
-                          "straggle": None if straggle is None else straggle.spec()}
+                          "straggle": None if straggle is None else straggle.spec(), "normalize": normalize,
+                          "dropout seed": seed if streams else None}
                 check_same(functools.partial(ctx.allgather, "jaxodc/config/trainer"), config, ctx.rank,
                            "trainer config")
             if straggle is not None:
                 straggle.check_world(ctx.world)
             self.state = self.step_fn.init(params, ctx=ctx, check=False, example_batch=example, **runtime_kwargs)
             self.state.straggle = straggle
+            self.state.normalize, self.state.rng_seed = normalize, (seed if streams else None)
         except BaseException:
             self._close_ctx()
             raise

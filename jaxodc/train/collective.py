@@ -23,7 +23,7 @@ from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.optim.clipping import global_reduction
 from jaxodc.optim.placement import place
 from jaxodc.train.unitwise import memory_schedule
-from jaxodc.train.core import ShardedTrainer, StepResult, microbatches_for, optimizer_step, plan_global_tokens
+from jaxodc.train.core import ShardedTrainer, StepResult, microbatches_for, optimizer_step, plan_divisor, with_key
 from jaxodc.modeling.staging import GatherFn
 from jaxodc.modeling.precision import MixedPrecision, precision_of
 from jaxodc.modeling.program import program_of
@@ -511,9 +511,10 @@ class CollectiveTrainer(ShardedTrainer):
         if check:
             shapes = repr([sorted((k, np.shape(v)) for k, v in mb.items()) for mb in mbs])
             self.check_same({"microbatch count": len(mbs),
-                             "microbatch shapes": hashlib.sha256(shapes.encode()).hexdigest()[:12]},
-                            "minibatch (collective needs the same microbatch count and shapes on every rank; "
-                            "pad with packing.empty)")
+                             "microbatch shapes": hashlib.sha256(shapes.encode()).hexdigest()[:12],
+                             "global token count": float(global_tokens)},
+                            "minibatch (collective needs the same microbatch count and shapes on every rank, "
+                            "pad with packing.empty; and the whole minibatch's token count)")
         if global_tokens <= 0:
             raise ValueError(f"rank {self.rank}: global_tokens must be positive, got {global_tokens}")
         res, cpu0 = StepResult(self.version, 0.0, time.perf_counter(), 0.0), time.process_time()
@@ -596,7 +597,9 @@ class CollectiveTrainer(ShardedTrainer):
             raise ValueError(f"plan for world {plan.world}, trainer world {self.world}")
         mbs = microbatches_for(plan, self.rank, samples, pad_to=max(plan.counts()), min_bucket=min_bucket,
                                lockstep=True)
-        res = self.train_minibatch(mbs, plan_global_tokens(plan, samples), sample_ids=plan.ranks[self.rank])
+        mine = list(plan.ranks[self.rank])
+        mbs = [with_key(mb, self.rng_seed, self.version, mine[m] if m < len(mine) else ()) for m, mb in enumerate(mbs)]
+        res = self.train_minibatch(mbs, plan_divisor(plan, samples, self.normalize), sample_ids=plan.ranks[self.rank])
         res.ran = list(plan.ranks[self.rank])
         return res
 

@@ -129,6 +129,29 @@ def microbatches_for(plan: Plan, rank: int, samples: Sequence[np.ndarray], pad_t
     return out
 
 
+def with_key(batch: dict, seed: int | None, step: int, sample_ids: Sequence[int]) -> dict:
+    """`batch` with its microbatch's key under "rng" (modeling.adapters.microbatch_key), if `seed`."""
+    if seed is None:
+        return batch
+    from jaxodc.modeling.adapters import RNG_KEY, microbatch_key
+    return {**batch, RNG_KEY: microbatch_key(seed, step, sample_ids)}
+
+
+NORMALIZE = ("tokens", "samples", "none")
+
+
+def plan_divisor(plan: Plan, samples: Sequence | None, normalize: str) -> float:
+    """What the minibatch's summed loss is divided by: its loss tokens (plan_global_tokens), its
+    number of samples (a per-sample loss: classification, a reward model), or 1 ("none")."""
+    if normalize == "tokens":
+        return plan_global_tokens(plan, samples)
+    if normalize == "samples":
+        return float(len(plan.lengths))
+    if normalize == "none":
+        return 1.0
+    raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
+
+
 def plan_global_tokens(plan: Plan, samples: Sequence | None = None) -> float:
     """Loss tokens of the whole minibatch (what every microbatch loss is divided by): with the
     minibatch's `samples`, their loss masks' sum (packing.Sample: completion / assistant tokens
@@ -149,6 +172,11 @@ class ShardedTrainer(abc.ABC):
     world: int
     layout: Layout
     version: int
+    # train_plan's packed batches carry microbatch_key(rng_seed, step, their samples) under "rng"
+    # (a loss drawing random numbers; Trainer sets it); None: no key
+    rng_seed: int | None = None
+    # what train_plan divides the minibatch's summed loss by: "tokens" (loss tokens), "samples", "none"
+    normalize: str = "tokens"
 
     @abc.abstractmethod
     def train_minibatch(self, microbatches: Iterable[dict], global_tokens: float) -> StepResult:

@@ -15,7 +15,7 @@ from jaxodc.balance.packing import bucket, fields_of, pack
 from jaxodc.balance.plan import Plan, iter_steal
 from jaxodc.compress.policy import CompressionPlan, setting_of, tracking_plan
 from jaxodc.ops import odc_gather, odc_gather_pieces
-from jaxodc.train.core import ShardedTrainer, StepResult, plan_global_tokens
+from jaxodc.train.core import ShardedTrainer, StepResult, plan_divisor, with_key
 from jaxodc.modeling.staging import GatherFn
 from jaxodc.modeling.precision import MixedPrecision, precision_of
 from jaxodc.modeling.program import program_of
@@ -203,8 +203,10 @@ class OdcTrainer(ShardedTrainer):
         self._end_program = None
         if self.end.rounds and getattr(runtime, "handle", None) is not None:  # a native runtime (not a test double)
             from jaxodc.ops.odc import odc_allgather
+            # (loss, tokens) float64 as four words: the update applies only where the counts agree
             self._end_program = self.end.exchanged(
-                lambda head, part, ver, on: odc_allgather(head, part, ver, on, runtime=runtime))
+                lambda head, part, ver, on: odc_allgather(head, part, ver, on, runtime=runtime),
+                keep=lambda rows: jnp.all(rows[:, 2:4] == rows[:1, 2:4]))
         self._grads = None  # zero-copy arrays of the runtime's accumulators, made once (_grad_arrays)
         self._global_tokens = 1.0  # the current minibatch's (grad_exchange's argument)
         self.check_same({**setting_of(compress), "precision": str(policy)}, "compression and precision setting")
@@ -308,21 +310,24 @@ class OdcTrainer(ShardedTrainer):
         sites that read other sites), one optimizer program, then version v + 1 published. With
         global reductions the exchange is an op of that program (`_end_program`): one dispatch, no
         host round trip; with masters in place (CPU) the program also stores the new shards, else
-        they are published from its result. Returns the global loss."""
+        they are published from its result. Ranks given different token counts raise before
+        anything is applied or published. Returns the global loss."""
         end, grads = self.end, self._grad_arrays()
         leaves = jax.tree_util.tree_leaves(self.opt_state)
         head = np.array([loss, global_tokens], np.float64)
         if self._end_program is not None:
             out, rows = self._end_program(self.shards, leaves, grads, head.view(np.uint32), np.int32(v), np.int32(1))
-            rows = np.asarray(rows).view(np.float64)
+            rows = np.asarray(rows).view(np.float64)  # checked below: the program applied nothing where they differ
         else:
-            rows, known = None, [None] * len(end.sites)
+            # with nothing else to exchange first, the counts are (one round trip before the update)
+            rows, known = (self.rt.allgather(v, head) if not end.rounds else None), [None] * len(end.sites)
             for k in range(end.rounds):
                 part = np.asarray(end.partials(k, self.shards, leaves, grads, end.fill(known)), np.float64)
                 got = self.rt.allgather(v, np.concatenate([head, part]) if k == 0 else part)
                 if k == 0:
                     rows, got = got[:, :2], got[:, 2:]
                 end.split(k, got.sum(axis=0), known)
+            self._check_tokens(v, rows, global_tokens)
             out = end.apply(self.shards, leaves, grads, end.fill(known))
         if self._masters is not None:
             new_leaves, token = out
@@ -331,6 +336,7 @@ class OdcTrainer(ShardedTrainer):
             shards, new_leaves = out
             jax.block_until_ready(shards)
         self.opt_state = end.state_tree(new_leaves)
+        self._check_tokens(v, rows, global_tokens)
         # The gradients are cleared before the next version is announced: peers push into them
         # right after.
         if self._masters is not None:
@@ -339,16 +345,15 @@ class OdcTrainer(ShardedTrainer):
             for u in self.layout.units:
                 self.rt.clear_grad(u.index)
             self._publish(shards, v + 1)
-        if rows is None:  # no global reduction: the exchange after publishing, off peers' path
-            rows = self.rt.allgather(v, head)
-        return self._global_loss(v, rows, global_tokens)
+        return float(np.sum(rows[:, 0]))
 
-    def _global_loss(self, v: int, rows: np.ndarray, global_tokens: float) -> float:
-        """The minibatch's loss from every rank's (loss, token count), which must agree on the count."""
+    def _check_tokens(self, v: int, rows: np.ndarray, global_tokens: float) -> None:
+        """Every rank's (loss, token count) must agree on the count (the minibatch's global one)."""
         if np.any(rows[:, 1] != global_tokens):
             raise ValueError(f"rank {self.rank}: ranks were given different global token counts for minibatch "
-                             f"{v + self._rt_base}: " + ", ".join(f"rank {r}: {t:g}" for r, t in enumerate(rows[:, 1])))
-        return float(np.sum(rows[:, 0]))
+                             f"{v + self._rt_base} (train_minibatch takes the whole minibatch's count, the same on "
+                             f"every rank); nothing was applied: "
+                             + ", ".join(f"rank {r}: {t:g}" for r, t in enumerate(rows[:, 1])))
 
     def end_programs(self, grads: dict):
         """(name, jitted program, its arguments) of the end of a minibatch, for compiled-memory
@@ -438,9 +443,9 @@ class OdcTrainer(ShardedTrainer):
             for mb in claims:
                 ran.append(mb)
                 T = plan.max_tokens if min_bucket is None else bucket(plan.microbatch_tokens(mb), plan.max_tokens, min_bucket)
-                yield pack([samples[i] for i in mb], T, fields=fields).as_dict()
+                yield with_key(pack([samples[i] for i in mb], T, fields=fields).as_dict(), self.rng_seed, self.version, mb)
 
-        res = self.train_minibatch(packed(), plan_global_tokens(plan, samples), sample_ids=ran)
+        res = self.train_minibatch(packed(), plan_divisor(plan, samples, self.normalize), sample_ids=ran)
         res.ran = ran
         return res
 

@@ -321,7 +321,7 @@ class EndStep:
                 known[i] = total[at:at + self._sizes[i]]
                 at += self._sizes[i]
 
-    def exchanged(self, exchange: Callable):
+    def exchanged(self, exchange: Callable, keep: Callable | None = None):
         """The whole end of a minibatch as one program, the exchange an op inside it (ODC's
         `odc_allgather`): each level's partial sums, their exchange, the update and (with a store)
         the stores. No host round trip between them, and one dispatch. For an optimizer with
@@ -331,6 +331,8 @@ class EndStep:
           exchange: (head, part, *extra) -> (head rows, part summed over ranks), traced into the
             program; `head` goes with the first level's exchange (and an empty one with later
             levels').
+          keep: head rows -> whether to apply the update (a traced bool); where not, the shards
+            and the state stay as they were (a disagreement the caller then reports).
 
         Returns:
           The jitted (shards, state leaves, grads, head, *extra) -> (apply's result, head rows),
@@ -344,7 +346,7 @@ class EndStep:
                 rows = got if k == 0 else rows
                 self.split(k, total, reduced)
                 reduced = [jnp.reshape(r, s.shape).astype(s.dtype) for r, s in zip(reduced, self.sites)]
-            return self._apply_fn(shards, state_leaves, grads, reduced), rows
+            return self._apply_fn(shards, state_leaves, grads, reduced, None if keep is None else keep(rows)), rows
 
         return jax.jit(fn, donate_argnums=(1,) if self._store is not None else (0, 1), compiler_options=memory_schedule())
 
@@ -357,16 +359,21 @@ class EndStep:
         """The optimizer state from its leaves."""
         return jax.tree_util.tree_unflatten(self._state_def, leaves)
 
-    def _apply_fn(self, shards, state_leaves, grads, reduced):
+    def _apply_fn(self, shards, state_leaves, grads, reduced, keep=None):
+        """`keep`: None, or a traced bool: False leaves shards and state as they were."""
+        def kept(new, old):
+            return new if keep is None else jnp.where(keep, new, old)
+
         if self._store is None:
             upd, new, _ = self._update(shards, state_leaves, grads, reduced)
-            return optax.apply_updates(shards, upd), new
+            return ({n: kept(x, shards[n]) for n, x in optax.apply_updates(shards, upd).items()},
+                    [kept(x, o) for x, o in zip(new, state_leaves)])
         token = self._token()
         if not self.separable:  # whole-tree updates, then the stores in order
             upd, new, _ = self._update(shards, state_leaves, grads, reduced)
             for name in self.names:
-                token = self._store(name, optax.apply_updates(shards[name], upd[name]), token)
-            return new, token
+                token = self._store(name, kept(optax.apply_updates(shards[name], upd[name]), shards[name]), token)
+            return [kept(x, o) for x, o in zip(new, state_leaves)], token
         out = [None] * len(state_leaves)
         for j, name in enumerate(self.names):
             # The whole update traced once per unit, all but this unit's outputs dead code. Its
@@ -383,8 +390,8 @@ class EndStep:
             upd, new, _ = self._update(sh, leaves, g, reduced)
             for i, u in enumerate(self._state_unit):
                 if u == name or (u is None and j == 0):  # shared state (counts): the first unit's
-                    out[i] = new[i]
-            token = self._store(name, optax.apply_updates(sh[name], upd[name]), token)
+                    out[i] = kept(new[i], leaves[i])
+            token = self._store(name, kept(optax.apply_updates(sh[name], upd[name]), sh[name]), token)
         return out, token
 
     def apply(self, shards: dict, state_leaves, grads: dict, reduced: Sequence):
