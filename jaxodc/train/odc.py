@@ -131,7 +131,7 @@ class OdcTrainer(ShardedTrainer):
       compress: a CompressionPlan of this layout (`Compression(...).plan(layout)`): its pieces
         travel to other ranks TAGC-compressed (bitmap + count sketch, decoded by the owner per push;
         csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
-        runtime and are not checkpointed (a restore continues with the residuals it has).
+        runtime, one per compressed range; checkpoints keep them (train.checkpoint).
       example_batch: a microbatch to trace a loss function on (program.traced_program).
       precision: "fp32", "bf16" or a `train.precision.MixedPrecision` (FSDP2's mixed precision:
         units gathered and computed in bf16, float inputs cast, gradients pushed in bf16 and
@@ -488,6 +488,23 @@ class OdcTrainer(ShardedTrainer):
             self.rt.publish(self._state_unit, np.zeros(self._state_padded // self.world, np.float32), rv + 1)
         self.version = int(version)
         self._rt_base = self.version - (rv + 1)
+
+    def _compressed_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """"unit@offset" -> (unit index, offset, size) of every range whose pushes travel compressed."""
+        if self.compress is None:
+            return {}
+        return {f"{u.name}@{off}": (u.index, off, size)
+                for u in self.layout.units for off, size in self.compress.selected(u.name)}
+
+    def local_residuals(self) -> dict[str, np.ndarray]:
+        """Per compressed range ("unit@offset"), this rank's residual (the range's size)."""
+        return {k: np.asarray(self.rt.residual(u, off), np.float32)
+                for k, (u, off, _) in self._compressed_ranges().items()}
+
+    def load_residuals(self, residuals) -> None:
+        # between minibatches: this rank pushes nothing, so nothing else writes the residuals
+        for k, (u, off, size) in self._compressed_ranges().items():
+            self.rt.set_residual(u, off, np.zeros(size, np.float32) if residuals is None else residuals[k])
 
     def close(self, barrier: bool = True) -> None:
         """Closes the runtime when this trainer started it (all ranks together unless barrier=False)."""
