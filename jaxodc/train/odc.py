@@ -154,7 +154,8 @@ class OdcTrainer(ShardedTrainer):
         if straggle is not None:
             straggle.check_world(self.world)
         # (grads, global_tokens) -> grads, applied to the owner's complete gradient shards before
-        # the optimizer: hybrid sharding averages them across sites (optim.sites); None: as they are
+        # the optimizer: hybrid sharding averages them across sites (optim.sites); None: as they are.
+        # Settable at any time between minibatches: it applies from the next minibatch's end on.
         self.grad_exchange = None
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts
@@ -290,8 +291,9 @@ class OdcTrainer(ShardedTrainer):
         """The completed minibatch's gradients as jax arrays. grad_view is asked every minibatch
         (the runtime may finish its accumulation there); where jax can alias its memory, the
         zero-copy arrays made the first time are reused while the views stay where they were
-        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
-        if self._grads is not None:  # the accumulators never move (Runtime.lend_grads)
+        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results, whenever
+        it was installed (the cached arrays serve only while there is none)."""
+        if self._grads is not None and self.grad_exchange is None:  # the accumulators never move (lend_grads)
             self.rt.lend_grads(self._unit_ids)
             return self._grads
         views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
