@@ -4,7 +4,8 @@ checkpoint by a fresh trainer (and fresh ODC runtime) ends bit-identical to an u
 restoring into a runtime that already trained works too, and bad checkpoints (other world size,
 layout, optimizer, a damaged file, a missing one on one rank only) are refused on every rank with
 an error naming the rank and what differs. A save interrupted before its commit leaves the
-previous checkpoint intact.
+previous checkpoint intact. Compressed runs (TAGC) keep their error-feedback residuals: a
+resumed compressed run is bit-identical too.
 
 Bit-exact ODC runs: an owner adds its clients' pushes in arrival order, and fp32 sums of three or
 more terms depend on that order. Here every unit gets at most two pushes per minibatch (the first
@@ -158,6 +159,84 @@ def checkpoint_body(ctx, root):
     out["layout"] = error_text(lambda: s.restore(os.path.join(root, "odc")))
     s.close()
     return out
+
+
+def _matrices(path, shape):
+    return len(shape) == 2
+
+
+def compressed_body(ctx, root):
+    """Compressed runs (TAGC, error feedback) of both comms: K minibatches, save, M more; a fresh
+    trainer restores and runs the same M. ODC sums with the exact sum (reproducible=True), so the
+    uninterrupted run is deterministic whatever the pushes' arrival order."""
+    from jaxodc.launch.context import init_jax_distributed
+    init_jax_distributed(ctx)
+    import json
+    import optax
+    from jaxodc.compress import Compression
+    from jaxodc.train.api import sharded_step
+
+    model, params = _model()
+    compress = Compression(fraction=0.25, ratio=4.0, select=_matrices)
+    out = {}
+    for comm in ("collective", "odc"):
+        step = sharded_step(model, optax.adam(1e-2), comm=comm, compress=compress, reproducible=True)
+        ck = os.path.join(root, comm)
+        a = step.init(params, ctx=ctx)
+        _run(a, comm, range(K))
+        a.save(ck)
+        saved_residuals = a.local_residuals()
+        _run(a, comm, range(K, K + M))
+        full = _snapshot(a)
+        a.close()
+        c = step.init(params, ctx=ctx)
+        c.restore(ck)
+        restored_residuals = c.local_residuals()
+        _run(c, comm, range(K, K + M))
+        resumed = _snapshot(c)
+        # A checkpoint without residuals (as written before they were saved): zero residuals.
+        if ctx.rank == 0:
+            import shutil
+            shutil.copytree(ck, ck + "-old")
+            with open(os.path.join(ck + "-old", "manifest.json")) as f:
+                man = json.load(f)
+            del man["residuals"]
+            with open(os.path.join(ck + "-old", "manifest.json"), "w") as f:
+                json.dump(man, f)
+        ctx.barrier(f"{comm} old checkpoint made")
+        c.restore(ck + "-old")
+        old_residuals = c.local_residuals()
+        c.close()
+        # An uncompressed trainer cannot take the residuals.
+        d = sharded_step(model, optax.adam(1e-2), comm=comm, reproducible=True).init(params, ctx=ctx)
+        refused = error_text(lambda: d.restore(ck))
+        d.close()
+        with open(os.path.join(ck, "manifest.json")) as f:
+            described = json.load(f)["residuals"]
+        out[comm] = dict(full=full, resumed=resumed, saved_residuals=saved_residuals, described=described,
+                         restored_residuals=restored_residuals, old_residuals=old_residuals, refused=refused)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compressed_results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt_compressed"))
+    return run_ranks(compressed_body, W, args=(root,), timeout_s=600)
+
+
+@pytest.mark.parametrize("comm", ["collective", "odc"])
+def test_compressed_resume_is_bit_exact(compressed_results, comm):
+    for rank, res in enumerate(compressed_results):
+        r = res[comm]
+        saved = r["saved_residuals"]
+        assert saved and any(np.any(x != 0) for x in saved.values()), f"rank {rank}: no residual to carry"
+        assert r["described"] == [[n, int(x.size)] for n, x in saved.items()]
+        for n, x in saved.items():
+            _bits_equal(x, r["restored_residuals"][n], f"rank {rank} {comm} residual {n}")
+        _same_state(r["full"], r["resumed"], f"rank {rank} {comm} compressed, resumed vs uninterrupted")
+        assert set(r["old_residuals"]) == set(saved) and all(not np.any(x) for x in r["old_residuals"].values())
+        assert f"rank {rank}: checkpoint" in r["refused"] and "residuals differ" in r["refused"], r["refused"]
+        assert "none (no compression) in this trainer" in r["refused"], r["refused"]
 
 
 def _bits_equal(a, b, what):

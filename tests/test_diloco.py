@@ -84,6 +84,38 @@ def test_diloco_equals_reference_bit_exact(svc, asynchronous):
         close_all(comms)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_flush_runs_the_partial_last_round(svc, asynchronous):
+    """7 inner steps at H=3: flush runs the last round's outer step on the pseudo-gradient of its
+    one inner step (async: then applies the average in flight), so θ_global equals the reference
+    whose last outer step has 1 inner step, bit for bit, on every peer."""
+    n, H, steps = 2, 3, 7
+    comms = make_group(svc.address, n)
+    try:
+        dls = [DiLoCo(c, U.ADAM, _outer(), H, loss_fn=U.loss_fn, asynchronous=asynchronous)
+               .init(U.init_params()) for c in comms]
+
+        def train(dl, rank):
+            for k in range(steps):
+                dl.step(U.batch(rank, k))
+            dl.flush()
+        run_threads([lambda dl=dl, c=c: train(dl, c.rank) for dl, c in zip(dls, comms)])
+        T = -(-steps // H)
+        theta, outer, pending = U.reference(U.init_params(), U.ADAM, LR, MOM, H, T, [[0, 1]] * T,
+                                            delayed=asynchronous, last=steps % H)
+        if asynchronous:
+            theta = outer.apply(theta, pending)
+        for dl in dls:
+            got = U.flat(dl.global_params)
+            assert np.array_equal(got, theta), np.abs(got - theta).max()
+            assert np.array_equal(U.flat(dl.params), got) and dl.reducer.worlds == [n] * T
+            assert np.array_equal(U.flat(dl.outer_state[0].trace), outer.trace)
+        dls[0].flush()  # nothing left: a second flush changes nothing and communicates nothing
+        assert np.array_equal(U.flat(dls[0].global_params), theta) and dls[0].reducer.worlds == [n] * T
+    finally:
+        close_all(comms)
+
+
 def test_h1_sgd1_equals_data_parallel_sgd(svc):
     """(c) H=1, outer SGD(lr=1): each outer step is one data-parallel SGD step on averaged
     gradients (up to the rounding of θ − (θ − lr·g))."""

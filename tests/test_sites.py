@@ -1,7 +1,8 @@
 """One job across sites (jaxodc.optim.sites through `jaxodc train --groups`): 2 ODC groups of 2
 ranks each, every element of the trained parameters against single-process references
 (tests/support/sites_reference.py); a site killed during the outer all-reduce and a site joining
-mid-run (every ring's survivors bit-identical)."""
+mid-run (every ring's survivors bit-identical); hybrid's gradient exchange applies whenever it is
+installed."""
 import json
 import os
 import signal
@@ -111,6 +112,51 @@ def test_site_killed_in_the_outer_all_reduce_and_a_site_joining(tmp_path):
     survivors = [r for s in (0, 1) for r in sites.read_records(out, s)]
     assert any(r["retries"] > 0 for r in survivors), "no survivor re-ran an outer all-reduce"
     assert any(r["sites"] == 3 for r in survivors) and "sites 4 -> 3" in log
+
+
+def test_gradient_exchange_installed_after_training_applies():
+    """Hybrid sharding installs its cross-site average as the ODC trainer's grad_exchange
+    (SiteRank); installed after the trainer already ran a minibatch (its gradients' zero-copy
+    arrays made), it applies from the next minibatch on, as one installed first does. The
+    exchange here halves the gradient: the average with a site whose gradient is zero."""
+    import jax
+    import optax
+    from jaxodc.launch.context import new_job_id
+    from jaxodc.models.mlp import MLP
+    from jaxodc.odc import Runtime
+    from jaxodc.train.api import sharded_step
+
+    model = MLP((6, 8, 3))
+    params = model.init(jax.random.PRNGKey(0))
+    step = sharded_step(model, optax.sgd(0.1), comm="odc")
+    rng = np.random.default_rng(0)
+    mbs = [{"x": rng.normal(size=(4, 6)).astype(np.float32), "y": rng.integers(0, 3, 4).astype(np.int32),
+            "mask": np.ones(4, np.float32)} for _ in range(2)]
+
+    def train(install_before):
+        rt = Runtime([u.padded for u in step.layout(params, 1).units], rank=0, world=1, rendezvous=None,
+                     job_id=new_job_id())
+        state, calls = step.init(params, runtime=rt), []
+
+        def halve(grads, global_tokens):
+            calls.append(global_tokens)
+            # the early order's first minibatch goes through unchanged: both orders average the second only
+            return {k: np.array(g) * (1.0 if install_before and len(calls) == 1 else 0.5) for k, g in grads.items()}
+        try:
+            if install_before:
+                state.grad_exchange = halve
+            state.train_minibatch([mbs[0]], 4.0)
+            state.grad_exchange = halve
+            state.train_minibatch([mbs[1]], 4.0)
+            return state.local_shards(), calls
+        finally:
+            rt.close()
+
+    early, early_calls = train(True)
+    late, late_calls = train(False)
+    assert early_calls == [4.0, 4.0] and late_calls == [4.0], late_calls
+    for n in early:
+        assert early[n].tobytes() == late[n].tobytes(), f"unit {n}: the late exchange did not apply"
 
 
 @pytest.mark.slow

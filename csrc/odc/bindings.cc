@@ -135,6 +135,13 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           nb::arg("unit"), nb::arg("offset"), "A copy of the compressed range's error-feedback residual.")
       .def(
+          "set_residual",
+          [](Runtime& rt, int unit, int64_t offset, F32In values) {
+            rt.set_residual(unit, offset, values.data(), static_cast<int64_t>(values.shape(0)));
+          },
+          nb::arg("unit"), nb::arg("offset"), nb::arg("values"),
+          "Replaces the compressed range's error-feedback residual (between minibatches).")
+      .def(
           "gather",
           [](Runtime& rt, int unit, int64_t version, AnyIn out) {
             ElemType t = elem_type_of(out.dtype(), "gather");

@@ -90,6 +90,17 @@ std::vector<float> Compressor::residual(int unit, int64_t offset) const {
   return it->second->residual;
 }
 
+void Compressor::set_residual(int unit, int64_t offset, const float* values, int64_t n) {
+  auto it = ranges_.find({unit, offset});
+  if (it == ranges_.end() || !it->second->compress)
+    throw Error("no compressed range of unit " + std::to_string(unit) + " starts at " + std::to_string(offset));
+  std::vector<float>& r = it->second->residual;
+  if (n != static_cast<int64_t>(r.size()))
+    throw Error("the compressed range of unit " + std::to_string(unit) + " at " + std::to_string(offset) + " has " +
+                std::to_string(r.size()) + " elements, the residual given " + std::to_string(n));
+  std::copy(values, values + n, r.begin());
+}
+
 UnitTraffic Compressor::traffic(int unit) {
   std::lock_guard<std::mutex> lock(traffic_mu_);
   return traffic_[unit];

@@ -96,6 +96,9 @@ class Compressor {
 
   // A copy of the error-feedback residual of the range registered at (unit, offset).
   std::vector<float> residual(int unit, int64_t offset) const;
+  // Replaces that residual (a restored checkpoint's); throws unless `n` is the range's size. Only
+  // between pushes: the pushes of this rank rewrite it without a lock.
+  void set_residual(int unit, int64_t offset, const float* values, int64_t n);
 
   UnitTraffic traffic(int unit);
   void count_push(int unit, int64_t bytes, const CompressedRange* r, int64_t elems, int64_t kept);

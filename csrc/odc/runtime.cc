@@ -173,6 +173,15 @@ std::vector<float> Runtime::residual(int unit, int64_t offset) const {
   }
 }
 
+void Runtime::set_residual(int unit, int64_t offset, const float* values, int64_t n) {
+  check_unit(unit, "set_residual");
+  try {
+    compressor_->set_residual(unit, offset, values, n);
+  } catch (const Error& e) {
+    throw Error(core_->who() + ": " + e.what());
+  }
+}
+
 std::string Runtime::nvshmem_uniqueid() {
   check_open("nvshmem_uniqueid");
   const std::string who = core_->who() + ": nvshmem_uniqueid";

@@ -129,6 +129,8 @@ class Runtime {
   UnitTraffic traffic(int unit);
   // The error-feedback residual of the compressed range starting at `offset` (a copy; tests).
   std::vector<float> residual(int unit, int64_t offset) const;
+  // Replaces it (checkpoint restore); between minibatches, when this rank pushes nothing.
+  void set_residual(int unit, int64_t offset, const float* values, int64_t n);
   // How the owner sums the pushes (accumulator.h): exactly, independent of their arrival order
   // (the default; 16 bytes per shard element), or in fp32 in arrival order (4 bytes). Before
   // connect.

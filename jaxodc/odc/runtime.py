@@ -406,6 +406,11 @@ class Runtime:
         `offset`: what this rank's pushes of it have not delivered yet."""
         return self._native.residual(int(unit), int(offset))
 
+    def set_residual(self, unit: int, offset: int, values) -> None:
+        """Replaces that residual (checkpoint restore): the range's size in float32. Between
+        minibatches only: this rank's pushes rewrite it without a lock."""
+        self._native.set_residual(int(unit), int(offset), np.ascontiguousarray(values, np.float32).reshape(-1))
+
     def done(self, version: int) -> None:
         """Tells every owner this rank pushed its last gradient of minibatch `version`."""
         self._native.done(version)

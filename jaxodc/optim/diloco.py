@@ -129,7 +129,7 @@ class DiLoCo:
       >>> dl = DiLoCo(comm, optax.adamw(3e-4), inner_steps=50, loss_fn=loss_fn).init(params)
       >>> for batch in data:
       ...     loss = dl.step(batch)
-      >>> dl.flush()
+      >>> dl.flush()   # the last partial outer step; async: also the average in flight
     """
 
     def __init__(self, comm: Communicator, inner_opt: optax.GradientTransformation | None,
@@ -320,7 +320,15 @@ class DiLoCo:
         return loss
 
     def flush(self) -> None:
-        """Asynchronous DiLoCo: applies the average still in flight (at the end of training)."""
+        """Ends training. A partial round (fewer than H inner steps by :meth:`inner_step` /
+        :meth:`step` since the last outer step, e.g. ``len(data) % H`` of them) gets its outer step,
+        as DiLoCo's last round does: its pseudo-gradient is the difference accumulated over the
+        inner steps that ran, so they reach θ_global instead of being dropped. Asynchronous: then
+        applies the average still in flight. θ_local ← θ_global. Every peer calls it (a partial
+        round all-reduces, so every peer must be in one). Custom loops end a partial round with
+        :meth:`outer_step` themselves."""
+        if self._begun and self.inner_count > 0:
+            self.outer_step()
         if self._pending is not None:
             self._apply_outer(self._pending.result())
             self._pending = None

@@ -1,5 +1,6 @@
 """Checkpoints of the sharded trainers (CollectiveTrainer, OdcTrainer): every rank's fp32
-parameter shards and optimizer state, one file per rank plus a manifest.
+parameter shards, optimizer state and TAGC error-feedback residuals, one file per rank plus a
+manifest.
 
 Format (version 1). A checkpoint is a directory DIR:
 
@@ -15,6 +16,9 @@ manifest.json::
      "opt_state": {"treedef": "<str of the local state's jax treedef>",
                    "leaves": [[shape, dtype], ...]},   # local leaves; a parameter's piece: its parameter's shape
      "model_state": [[path, shape, dtype], ...],   # mutable model state (modeling/state.py); absent without
+     "residuals": [[name, elements], ...],  # TAGC error feedback (ShardedTrainer.local_residuals): per
+                                            # compressed unit (collective) or range "unit@offset"
+                                            # (ODC), fp32; absent without compression
      "files": [{"rank": r, "file": "rank<r>-<tag>.msgpack", "bytes": n, "crc32": c}, ...]}
 
 rank<r>-<tag>.msgpack, a msgpack map::
@@ -24,7 +28,9 @@ rank<r>-<tag>.msgpack, a msgpack map::
      "opt_state": [bytes of each local optimizer-state leaf, jax tree order, dtype/shape as in
                    the manifest],
      "model_state": [bytes of each mutable-state leaf (BatchNorm statistics: the same on every
-                     rank), as in the manifest]}                         # absent without
+                     rank), as in the manifest],                         # absent without
+     "residuals": [fp32 little-endian bytes of each of the rank's residuals, as in the manifest]}
+                                                                         # absent without
 
 The optimizer state is stored as each rank holds it (optim.placement: the optimizer's own state
 tree, parameter-shaped leaves as this rank's flat pieces of their parameter, the rest whole, such
@@ -35,6 +41,13 @@ is contiguous), so a checkpoint of one mode restores into the other by reshardin
 sends its shards and its state's parameter pieces to every rank, which rebuilds each unit's
 leaves (and each piece's parameter) and cuts its own part of the trainer's layout (padding zero). That holds the whole state on every rank for a moment; a restore into the same sharding
 moves nothing.
+
+Error-feedback residuals (compress=) are what each rank's compressed pushes have not delivered
+yet; restoring them makes a resumed compressed run bit-identical to one that never stopped. They
+restore into a trainer of the same comm mode and compressed pieces only (another setting's
+residuals would be added to other elements): one that differs is refused, naming both. A
+checkpoint without residuals (an uncompressed run's, or one written before they were saved)
+restores into a compressed trainer with zero residuals, as a new trainer starts.
 
 Atomicity: each file is written to a temporary name, fsynced and renamed (os.replace). A save
 writes all rank files under a fresh tag, then the manifest (the commit), and only after every rank
@@ -115,6 +128,10 @@ def _model_state(trainer) -> tuple[list, list[np.ndarray]]:
     return [[p, list(x.shape), x.dtype.str] for p, x in zip(state.paths, values)], values
 
 
+def _residual_description(residuals: dict) -> list:
+    return [[name, int(np.size(x))] for name, x in residuals.items()]
+
+
 def _units(layout) -> list[dict]:
     return [{"name": u.name, "numel": u.numel, "padded": u.padded, "shard": u.shard, "sharding": u.sharding}
             for u in layout.units]
@@ -176,6 +193,7 @@ def save(trainer, path: str) -> str:
     opt_state = trainer.local_opt_state()
     opt_leaves = jax.tree_util.tree_leaves(opt_state)
     state_desc, state_values = _model_state(trainer)
+    residuals = trainer.local_residuals()
     # One tag for all ranks: rank 0's random id (and every rank must be at the same step).
     got = trainer.allgather_obj([step, secrets.randbits(30)])
     steps = [g[0] for g in got]
@@ -188,6 +206,7 @@ def save(trainer, path: str) -> str:
         "shards": {n: np.ascontiguousarray(shards[n], "<f4").tobytes() for n in trainer.layout.names},
         "opt_state": [np.ascontiguousarray(x).tobytes() for x in opt_leaves],
         **({"model_state": [np.ascontiguousarray(x).tobytes() for x in state_values]} if state_desc else {}),
+        **({"residuals": [np.ascontiguousarray(x, "<f4").tobytes() for x in residuals.values()]} if residuals else {}),
     })
     fname = _rank_file(rank, tag)
     err = None
@@ -202,6 +221,7 @@ def save(trainer, path: str) -> str:
         "comm": getattr(trainer, "comm", ""), "layout_fingerprint": trainer.layout.fingerprint(),
         "units": _units(trainer.layout), "opt_state": _opt_description(trainer, opt_state),
         **({"model_state": state_desc} if state_desc else {}),
+        **({"residuals": _residual_description(residuals)} if residuals else {}),
         "files": [{"rank": r, "file": _rank_file(r, tag), "bytes": meta[r][0], "crc32": meta[r][1]}
                   for r in range(world)],
     }
@@ -300,6 +320,13 @@ def _load_rank(trainer, path: str):
     if m.get("model_state", []) != state_desc:
         raise CheckpointError(f"{where}: mutable model state differs: {m.get('model_state', [])} ([path, shape, "
                               f"dtype] per leaf) in the checkpoint, {state_desc} in this trainer")
+    mine_res = _residual_description(trainer.local_residuals())
+    saved_res = m.get("residuals")
+    if saved_res is not None and (saved_res != mine_res or m.get("comm") != trainer.comm):
+        mine_desc = mine_res or "none (no compression)"
+        raise CheckpointError(f"{where}: TAGC error-feedback residuals differ: {saved_res} ([name, elements]) saved "
+                              f"by comm={m.get('comm')!r}, {mine_desc} in this trainer (comm={trainer.comm!r}); "
+                              "restore into a trainer with the checkpoint's comm and compression setting")
     entry = next((f for f in m.get("files", []) if f.get("rank") == rank), None)
     if entry is None:
         raise CheckpointError(f"{where}: the manifest lists no file for rank {rank}")
@@ -327,7 +354,18 @@ def _load_rank(trainer, path: str):
     treedef = jax.tree_util.tree_structure(trainer.local_opt_state())
     model_state = [np.frombuffer(b, np.dtype(dt)).reshape(shape).copy()
                    for b, (_, shape, dt) in zip(d.get("model_state", []), state_desc)]
-    return int(m["step"]), m["tag"], shards, (treedef, leaves), model_state, saved
+    residuals = None  # none saved: zeros (module docstring)
+    if saved_res is not None:
+        got = d.get("residuals", [])
+        if len(got) != len(saved_res):
+            raise CheckpointError(f"{where}: {fpath} holds {len(got)} residuals, the manifest lists {len(saved_res)}")
+        residuals = {}
+        for b, (name, n) in zip(got, saved_res):
+            x = np.frombuffer(b, "<f4")
+            if x.size != n:
+                raise CheckpointError(f"{where}: residual {name!r} has {x.size} elements, expected {n}")
+            residuals[name] = x.astype(np.float32)
+    return int(m["step"]), m["tag"], shards, (treedef, leaves), model_state, saved, residuals
 
 
 def _reshard(trainer, saved, shards: dict, treedef, leaves: list):
@@ -368,9 +406,10 @@ def restore(trainer, path: str) -> int:
     if len({(a, b) for a, b in got}) != 1:
         raise CheckpointError(f"rank {trainer.rank}: ranks read different saves of {path}: "
                               + ", ".join(f"rank {r}: step {a} id {b:08x}" for r, (a, b) in enumerate(got)))
-    step, _, shards, (treedef, leaves), model_state, saved = payload
+    step, _, shards, (treedef, leaves), model_state, saved, residuals = payload
     shards, leaves = _reshard(trainer, saved, shards, treedef, leaves)  # every rank reads the same manifest
     trainer.load_local_state(shards, jax.tree_util.tree_unflatten(treedef, leaves), step)
     if model_state:
         trainer.load_model_state(model_state)
+    trainer.load_residuals(residuals)
     return step

@@ -268,9 +268,10 @@ class CollectiveTrainer(ShardedTrainer):
     `compress`: a CompressionPlan (`Compression(...).plan(trainer.layout)`, or of `make_layout(params,
     world, order=model.unit_names)`) to exchange its pieces TAGC-compressed (compress.collective),
     every rank the same (checked). Each rank then keeps an error-feedback residual per compressed
-    unit (not checkpointed: restoring starts from zero residuals). StepResult.wire_bytes and, with
-    compression, wire_bytes_selected / peeled / estimated report each minibatch's exchange;
-    `gradient_wire` holds the per-unit, per-microbatch bytes they are counted from.
+    unit; checkpoints keep it (train.checkpoint), so a restored run continues bit-exactly.
+    StepResult.wire_bytes and, with compression, wire_bytes_selected / peeled / estimated report
+    each minibatch's exchange; `gradient_wire` holds the per-unit, per-microbatch bytes they are
+    counted from.
 
     `transport`: "gloo" (jax's collectives) or "jaxodc": every per-unit all-gather / reduce-scatter,
     the loss and optimizer all-sums and `allgather_bytes` (the per-minibatch agreement checks) run
@@ -623,3 +624,13 @@ class CollectiveTrainer(ShardedTrainer):
             for c, x in zip(cur, local)])
         self.version = int(version)
         self.residuals = self._zero_residuals()
+
+    def local_residuals(self) -> dict[str, np.ndarray]:
+        """Per compressed unit, this rank's residual (ex.residual_size elements)."""
+        return {n: np.array(a.addressable_data(0), np.float32) for n, a in self.residuals.items()}
+
+    def load_residuals(self, residuals) -> None:
+        if residuals is None:
+            self.residuals = self._zero_residuals()
+            return
+        self.residuals = {n: self._global(np.asarray(residuals[n], np.float32)) for n in self.exchanges}

@@ -228,6 +228,15 @@ class ShardedTrainer(abc.ABC):
     def load_local_state(self, shards: dict, opt_state, version: int) -> None:
         """Replace this rank's shards, optimizer state and step (all ranks together)."""
 
+    def local_residuals(self) -> dict[str, np.ndarray]:
+        """This rank's TAGC error-feedback residuals (name -> fp32 host copy; checkpoints keep
+        them), {} without compression."""
+        return {}
+
+    def load_residuals(self, residuals: Mapping[str, np.ndarray] | None) -> None:
+        """Replace them (the names of local_residuals(); None: zeros, what a new trainer starts
+        from). Every rank calls it together, between minibatches (checkpoint.restore does)."""
+
     def save(self, path: str) -> str:
         """Writes a checkpoint (jaxodc.train.checkpoint); all ranks call it together.
 

@@ -131,7 +131,7 @@ class OdcTrainer(ShardedTrainer):
       compress: a CompressionPlan of this layout (`Compression(...).plan(layout)`): its pieces
         travel to other ranks TAGC-compressed (bitmap + count sketch, decoded by the owner per push;
         csrc/odc/compress.h), every rank the same (checked). Error-feedback residuals live in the
-        runtime and are not checkpointed (a restore continues with the residuals it has).
+        runtime, one per compressed range; checkpoints keep them (train.checkpoint).
       example_batch: a microbatch to trace a loss function on (program.traced_program).
       precision: "fp32", "bf16" or a `train.precision.MixedPrecision` (FSDP2's mixed precision:
         units gathered and computed in bf16, float inputs cast, gradients pushed in bf16 and
@@ -154,7 +154,8 @@ class OdcTrainer(ShardedTrainer):
         if straggle is not None:
             straggle.check_world(self.world)
         # (grads, global_tokens) -> grads, applied to the owner's complete gradient shards before
-        # the optimizer: hybrid sharding averages them across sites (optim.sites); None: as they are
+        # the optimizer: hybrid sharding averages them across sites (optim.sites); None: as they are.
+        # Settable at any time between minibatches: it applies from the next minibatch's end on.
         self.grad_exchange = None
         self.program = program_of(model, params, self.world, example_batch=example_batch, **unit_policy)
         self.layout, self.consts = self.program.layout, self.program.consts
@@ -292,8 +293,9 @@ class OdcTrainer(ShardedTrainer):
         """The completed minibatch's gradients as jax arrays. grad_view is asked every minibatch
         (the runtime may finish its accumulation there); where jax can alias its memory, the
         zero-copy arrays made the first time are reused while the views stay where they were
-        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results."""
-        if self._grads is not None:  # the accumulators never move (Runtime.lend_grads)
+        (read only until clear_grad). Otherwise copies; with a grad_exchange, its results, whenever
+        it was installed (the cached arrays serve only while there is none)."""
+        if self._grads is not None and self.grad_exchange is None:  # the accumulators never move (lend_grads)
             self.rt.lend_grads(self._unit_ids)
             return self._grads
         views = {u.name: self.rt.grad_view(u.index) for u in self.layout.units}
@@ -493,6 +495,23 @@ class OdcTrainer(ShardedTrainer):
             self.rt.publish(self._state_unit, np.zeros(self._state_padded // self.world, np.float32), rv + 1)
         self.version = int(version)
         self._rt_base = self.version - (rv + 1)
+
+    def _compressed_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """"unit@offset" -> (unit index, offset, size) of every range whose pushes travel compressed."""
+        if self.compress is None:
+            return {}
+        return {f"{u.name}@{off}": (u.index, off, size)
+                for u in self.layout.units for off, size in self.compress.selected(u.name)}
+
+    def local_residuals(self) -> dict[str, np.ndarray]:
+        """Per compressed range ("unit@offset"), this rank's residual (the range's size)."""
+        return {k: np.asarray(self.rt.residual(u, off), np.float32)
+                for k, (u, off, _) in self._compressed_ranges().items()}
+
+    def load_residuals(self, residuals) -> None:
+        # between minibatches: this rank pushes nothing, so nothing else writes the residuals
+        for k, (u, off, size) in self._compressed_ranges().items():
+            self.rt.set_residual(u, off, np.zeros(size, np.float32) if residuals is None else residuals[k])
 
     def close(self, barrier: bool = True) -> None:
         """Closes the runtime when this trainer started it (all ranks together unless barrier=False)."""

@@ -89,10 +89,11 @@ class NesterovRef:
         return theta + (g + self.m * self.trace) * (-self.lr)
 
 
-def reference(params0, inner_opt, lr, momentum, H, T, contributors, delayed=False):
+def reference(params0, inner_opt, lr, momentum, H, T, contributors, delayed=False, last=None):
     """θ_global (flat) after T outer steps. contributors[t]: original ranks averaged at outer step
     t, in ring order (every peer keeps training on its own data). delayed: async DiLoCo (average
-    of step t applied at step t+1). Returns (theta, outer, pending average or None)."""
+    of step t applied at step t+1). last: inner steps of the last outer step (a partial round;
+    None: H). Returns (theta, outer, pending average or None)."""
     inner = make_inner(inner_opt)
     ranks = sorted({r for c in contributors for r in c})
     states = {r: inner_opt.init(jax.tree.map(jnp.asarray, params0)) for r in ranks}
@@ -103,7 +104,7 @@ def reference(params0, inner_opt, lr, momentum, H, T, contributors, delayed=Fals
         deltas = {}
         for r in contributors[t]:
             p = jax.tree.map(jnp.asarray, unflat(theta, params0))
-            for i in range(H):
+            for i in range(H if last is None or t < T - 1 else last):
                 p, states[r] = inner(p, states[r], batch(r, t * H + i))
             deltas[r] = theta - flat(p)
         avg = ring_avg([deltas[r] for r in contributors[t]])
