@@ -178,7 +178,7 @@ def trainers_body(ctx):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # 3: uneven pieces (2 ranks is the placement table's and the trainers' tests')
 def test_end_of_minibatch_matches_reference(world):
     import jax
     from jaxodc.balance.packing import pack
