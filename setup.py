@@ -47,6 +47,10 @@ class BuildExt(build_ext):
     def build_extensions(self):
         cuda = discover.find_cuda()
         ext = self.extensions[0]
+        # nanobind's own source joins here, not in setup()'s sources: those go into the egg-info
+        # manifest, which setuptools refuses to hold an absolute path (a venv outside the tree).
+        if INPUTS["nb_combined"] not in ext.sources:
+            ext.sources.append(INPUTS["nb_combined"])
         if cuda:
             nvcc = cuda["nvcc"]
             objects = []
@@ -113,12 +117,12 @@ def sanitizer_flags():
 
 
 def make_extension():
-    nb_include, nb_combined, robin_map = (INPUTS[k] for k in ("nanobind_include", "nb_combined", "robin_map_include"))
+    nb_include, robin_map = (INPUTS[k] for k in ("nanobind_include", "robin_map_include"))
     sources = [os.path.relpath(p, ROOT) for p in module_sources("*.cc")]
     san_compile, san_link = sanitizer_flags()
     return Extension(
         "jaxodc._C",
-        sources=sources + [os.path.relpath(nb_combined, ROOT) if nb_combined.startswith(ROOT) else nb_combined],
+        sources=sources,  # + nanobind's nb_combined.cpp, added by BuildExt
         include_dirs=["csrc", nb_include, robin_map, INPUTS["python_include"]],
         define_macros=[("NB_COMPACT_ASSERTIONS", None)],
         extra_compile_args=["-std=c++17", "-O3", "-isystem", INPUTS["ffi_include"], "-fvisibility=hidden", "-Wall", "-Wno-unused-function",

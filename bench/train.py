@@ -497,11 +497,11 @@ def main(argv: list[str]) -> int:
     from jaxodc.bench.train_report import draw_timeline, print_report, summarize
     t0 = time.perf_counter()
     raw = _launch(args, args.ranks, "train", _forward(args))
-    rows, bar_rows = summarize(raw)
-    if args.raw:
-        write_records(args.raw, raw)
     from jaxodc.bench.straggle_predict import predict
     predicted = predict(raw) if args.straggle else []
+    rows, bar_rows = summarize(raw, predicted)
+    if args.raw:
+        write_records(args.raw, raw)
     write_records(args.json, rows + [dict(b, kind="bar") for b in bar_rows]
                   + [dict(p, kind="prediction") for p in predicted]
                   + [{"kind": "calibration", "cost_odc": raw["cost"], "cost_collective": raw["cost_collective"],

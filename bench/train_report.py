@@ -71,9 +71,10 @@ def attention_share(raw: dict) -> float:
     return a * s * s / (a * s * s + b * s + c) if a * s * s + b * s + c > 0 else 0.0
 
 
-def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
+def summarize(raw: dict, predicted: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """(one record per (combo, minibatch, injection), bar lines) from the ranks' raw minibatch
-    records: the plain runs' bars, then, with --straggle, the injected runs'."""
+    records: the plain runs' bars, then, with --straggle, the injected runs' (their LB-Steal bar
+    set by `predicted`, bench.straggle_predict's expectations)."""
     rows, bar_rows = [], []
     ceil = ceilings(raw)
     for straggle in sorted({r.get("straggle") for r in raw["records"]}, key=lambda x: x is not None):
@@ -83,7 +84,8 @@ def summarize(raw: dict) -> tuple[list[dict], list[dict]]:
             r["straggle"] = straggle
             r["ceiling"] = ceil.get(r["minibatch"])
         rows += out
-        bar_rows += bars(out, per_rep) if straggle is None else injected_bars(out, per_rep, straggle)
+        bar_rows += bars(out, per_rep) if straggle is None else injected_bars(
+            out, per_rep, straggle, [p for p in predicted or [] if p["straggle"] == straggle])
     return rows, bar_rows
 
 
@@ -194,10 +196,11 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
         p = _paired(per_rep, steal, mini, mb)
         if p:
             s = cell[(*steal, mb)]
-            # Context for a ratio near 1: how often a steal changed the schedule at all (the
-            # other minibatches run LB-Mini's partition), and the whole run's ratio.
-            # stealing must cost (almost) nothing when nothing is uneven
-            out.append(_bar("odc+lb_steal / odc+lb_mini samples/s", mb, p, 0.97, p["median"] >= 0.97,
+            # LB-Steal runs LB-Mini's plan: calm, it may cost only its deque claims. Context for a
+            # ratio near 1: how often a steal changed the schedule at all, and the whole run's ratio.
+            gated = mb in (1, 2, 4, 8)
+            out.append(_bar("odc+lb_steal / odc+lb_mini samples/s", mb, p, 0.99 if gated else None,
+                            p["median"] >= 0.99 if gated else None,
                             pooled=p["pooled"], minibatches_with_steals=s["minibatches_with_steals"],
                             minibatches=s["steps"]))
     for mb in mbs:
@@ -222,14 +225,16 @@ def bars(rows: list[dict], per_rep: dict) -> list[dict]:
     if o and c and o.get("end_s") is not None and c.get("end_s"):
         val = o["end_s"] / c["end_s"]
         out.append({"bar": "odc+lb_mini end_s / collective@jaxodc+lb_micro end_s (median end of minibatch)",
-                    "minibatch": 4, "value": val, "threshold": 1.2, "pass": val <= 1.2,
+                    "minibatch": 4, "value": val, "threshold": None, "pass": None,  # a figure, no longer a bar
                     "odc_end_s": o["end_s"], "collective_end_s": c["end_s"]})
     return out
 
 
-def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
+def injected_bars(rows: list[dict], per_rep: dict, straggle: str, predicted: list[dict] = ()) -> list[dict]:
     """The bars under straggler injection: ODC's balancing against the collective on the same
-    transport, and stealing against LB-Mini, at minibatch 4 and 8. The value is the whole run's
+    transport (>= 1.15), and stealing against LB-Mini (>= 75% of the gain the simulator expects
+    over fresh minibatches under the same injection, `predicted`'s "expected_steal"; no bar
+    without a prediction), at minibatch 4 and 8. The value is the whole run's
     throughput ratio (samples over the summed minibatch spans): slowdowns are rare events that
     hit a minority of repetitions, and the median of per-repetition ratios would look past them
     (the median is kept as "median")."""
@@ -237,9 +242,11 @@ def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
     fair, mini, steal = ("collective@jaxodc", "lb_micro"), ("odc", "lb_mini"), ("odc", "lb_steal")
     cell = {(r["comm"], r["balance"], r["minibatch"]): r for r in rows}
     for mb in sorted({r["minibatch"] for r in rows}):
-        gated = mb in (4, 8)
-        for (a, b, thr) in ((mini, fair, 1.15), (steal, mini, 1.10)):
+        expected = next((x["expected_steal"] for x in predicted if x["minibatch"] == mb), None)
+        steal_bar = None if expected is None else 1.0 + 0.75 * (expected - 1.0)
+        for (a, b, thr) in ((mini, fair, 1.15), (steal, mini, steal_bar)):
             p = _paired(per_rep, a, b, mb)
+            gated = mb in (4, 8) and thr is not None
             if p:
                 row = {"bar": f"{a[0]}+{a[1]} / {b[0]}+{b[1]} samples/s (straggle {straggle})", "minibatch": mb,
                        "value": p["pooled"], "ci95": p["pooled_ci95"], "median": p["median"], "range": p["range"],
@@ -247,7 +254,8 @@ def injected_bars(rows: list[dict], per_rep: dict, straggle: str) -> list[dict]:
                        "minibatches_throttled": cell[(*a, mb)]["minibatches_throttled"]}
                 if a == steal:
                     s = cell[(*steal, mb)]
-                    row.update(minibatches_with_steals=s["minibatches_with_steals"], minibatches=s["steps"])
+                    row.update(minibatches_with_steals=s["minibatches_with_steals"], minibatches=s["steps"],
+                               expected_steal=expected)
                 out.append(row)
     return out
 

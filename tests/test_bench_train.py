@@ -120,10 +120,19 @@ def test_injected_bars_take_the_whole_run():
                                       (("collective@jaxodc", "lb_micro"), 1.0)):
                 r = _rec(comm, bal, rep, 0, rank, 0.0, span, [[0.0, span]], span, throttled=rank == 0 and rep == 2)
                 recs.append(dict(r, minibatch=4, straggle="rank_p=0.1,factor=3,seed=0"))
-    _, bars = summarize({"records": recs})
+    spec = "rank_p=0.1,factor=3,seed=0"
+    _, bars = summarize({"records": recs}, [{"straggle": spec, "minibatch": 4, "expected_steal": 2.4}])
     (steal,) = [b for b in bars if b["bar"].startswith("odc+lb_steal / odc+lb_mini") and b["minibatch"] == 4]
     assert steal["median"] == pytest.approx(1.0) and steal["value"] == pytest.approx(6 / 3)
-    assert steal["pass"] is True and steal["threshold"] == 1.10 and steal["minibatches_throttled"] == 1
+    # the bar: 75% of the simulator's expected gain, 1 + 0.75 * (2.4 - 1) = 2.05 > 2.0
+    assert steal["threshold"] == pytest.approx(2.05) and steal["pass"] is False
+    assert steal["minibatches_throttled"] == 1
+    _, bars = summarize({"records": recs}, [{"straggle": spec, "minibatch": 4, "expected_steal": 2.2}])
+    (steal,) = [b for b in bars if b["bar"].startswith("odc+lb_steal / odc+lb_mini") and b["minibatch"] == 4]
+    assert steal["threshold"] == pytest.approx(1.9) and steal["pass"] is True
+    _, bars = summarize({"records": recs})  # no prediction, no bar
+    (steal,) = [b for b in bars if b["bar"].startswith("odc+lb_steal / odc+lb_mini") and b["minibatch"] == 4]
+    assert steal["threshold"] is None and steal["pass"] is None
 
 
 def test_activation_bytes_scale_with_tokens():

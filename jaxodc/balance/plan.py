@@ -16,19 +16,15 @@ from the same lengths without talking to the others.
   samples between the most and least loaded rank with each rank's per-microbatch overhead counted
   (`refine_partition`), then each rank packs its own samples with its own microbatch count (ODC
   only: counts differ across ranks).
-- `lb_steal`: LB-Mini's partition across ranks, run as work stealing: every rank's microbatches
-  sit in a deque at that rank; the rank takes them from the front (costliest first), and a rank
-  that ran out takes the cheapest not yet started microbatch from the back of a loaded peer's
-  deque (`iter_steal`). A steal only happens while the victim still has unstarted work, so it
-  never lengthens the minibatch (the thief was idle), and with an exact cost model nothing is
-  stolen: LB-Steal is LB-Mini plus the correction of whatever the model mispredicted. Gradients
-  accumulate at the owners, so which rank computes a microbatch does not change the result.
-  Each rank's samples are packed for stealing (`fill_microbatches`): at most as many
-  microbatches as LB-Mini's, filled longest samples first so the last one holds the leftovers.
-  A minibatch ends with every rank's last microbatch in flight (nothing is left to steal), so
-  the imbalance that stealing cannot remove is about the size of that last microbatch: small
-  leftovers there, rather than LB-Mini's equal shares, make it small and give a thief cheap
-  pieces to take (longest-processing-time order).
+- `lb_steal`: LB-Mini's plan, run as work stealing: every rank's microbatches (LB-Mini's own,
+  the same tuples in the same order) sit in a deque at that rank; the rank takes them from the
+  front (costliest first), and a rank that ran out takes the cheapest not yet started microbatch
+  from the back of a loaded peer's deque (`iter_steal`). A steal only happens while the victim
+  still has unstarted work, so it never lengthens the minibatch (the thief was idle), and with an
+  exact cost model nothing is stolen: LB-Steal is LB-Mini plus the correction of whatever the
+  model mispredicted, so when nothing straggles it runs LB-Mini's schedule and costs only its
+  deque claims. Gradients accumulate at the owners, so which rank computes a microbatch does not
+  change the result.
 """
 from __future__ import annotations
 
@@ -200,25 +196,6 @@ def fit_microbatches(idx: Sequence[int], lengths: Sequence[int], cost: CostModel
     return _by_cost(mbs, lengths, cost)
 
 
-def fill_microbatches(idx: Sequence[int], lengths: Sequence[int], cost: CostModel,
-                      max_tokens: int) -> list[tuple[int, ...]]:
-    """Samples `idx` into microbatches for work stealing: first-fit decreasing (longest sample
-    first into the first microbatch with room), so the first microbatches are full and the last
-    holds the leftovers. Uses at most as many microbatches as `fit_microbatches` (no more
-    per-microbatch overhead); where first-fit needs more, returns `fit_microbatches`'s packing.
-    Sorted costliest first, so a rank runs the leftovers last and thieves take them first."""
-    balanced = fit_microbatches(idx, lengths, cost, max_tokens)
-    bins: list[list[int]] = [[] for _ in balanced]
-    room = [max_tokens] * len(balanced)
-    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
-        j = next((j for j in range(len(bins)) if lengths[i] <= room[j]), None)
-        if j is None:
-            return balanced
-        bins[j].append(i)
-        room[j] -= lengths[i]
-    return _by_cost([tuple(sorted(b)) for b in bins if b], lengths, cost)
-
-
 def _by_cost(mbs, lengths, cost):
     return sorted(mbs, key=lambda mb: (-cost.microbatch([lengths[i] for i in mb]), mb))
 
@@ -302,14 +279,9 @@ def lb_mini(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel
 
 
 def lb_steal(lengths: Sequence[int], world: int, max_tokens: int, cost: CostModel | None = None) -> Plan:
-    """LB-Mini's partition with each rank's samples packed for stealing (`fill_microbatches`),
-    run with work stealing (`iter_steal`): at most as many microbatches per rank as LB-Mini, so
-    stealing adds no per-microbatch overhead."""
-    cost = cost or CostModel()
-    ls = _check_minibatch(lengths, world, max_tokens)
-    ranks = [tuple(fill_microbatches(p, ls, cost, max_tokens)) if p else ()
-             for p in _mini_partition(ls, world, max_tokens, cost)]
-    return Plan("lb_steal", world, max_tokens, tuple(ls), tuple(ranks))
+    """LB-Mini's plan, each rank's microbatches a deque for work stealing (`iter_steal`)."""
+    mini = lb_mini(lengths, world, max_tokens, cost)
+    return Plan("lb_steal", world, max_tokens, mini.lengths, mini.ranks)
 
 
 def make_plan(balance: str, lengths: Sequence[int], world: int, max_tokens: int,
