@@ -7,6 +7,13 @@ cd "$ROOT"
 bash scripts/setup_env.sh || { echo "TESTS FAILED: environment setup failed"; exit 1; }
 PY="$ROOT/.venv/bin/python"
 
+# One jax compilation cache for the whole run, fresh each time: the tests' processes compile many
+# of the same programs (the same small models on 1-3 ranks), and a hit skips XLA's compile.
+CACHE="$(mktemp -d "${TMPDIR:-/tmp}/jaxodc-test-cache.XXXXXX")"
+trap 'rm -rf "$CACHE"' EXIT
+export JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+
 start=$(date +%s)
 "$PY" -m pytest tests -m "not gpu" -q -p no:cacheprovider --durations=15 "$@"
 pytest_status=$?
