@@ -241,7 +241,7 @@ _LOCKSTEP = 'custom_call_target="jaxodc_lockstep"'
 
 # The collective's per_leaf units gather one parameter at a time (over gloo or the lock-step
 # transport), each all-gather inside the name
-# scope train.collective.GATHER_SCOPE + the unit's index: consecutive all-gathers of one scope
+# scope train.lockstep.GATHER_SCOPE + the unit's index: consecutive all-gathers of one scope
 # (forward and backward re-gathers differ in their jvp / transpose prefix) are one gathered unit,
 # alive from the first of them to the last use of any.
 _SCOPE = re.compile(r'op_name="([^"]*?jaxodc_gather_u\d+)(?!\d)')
