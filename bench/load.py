@@ -6,7 +6,9 @@ rank's peak and the bars). `peak_rss`: the largest rank's resident peak while it
 reset just before; the process's imports included); `load_s`: from the first rank's start to
 the last rank's end (the ranks start together); `baseline_s`: one process reading every file
 once with the safetensors library (`safetensors.numpy.load_file`), the physical limit here.
-Bars: peak_rss <= 1.25 * master_bytes / W + 300 MiB; load_s <= 1.5 * baseline_s.
+Bars: peak_rss <= 1.25 * master_bytes / W + 300 MiB; load_s <= 1.5 * baseline_s. Each rank
+reads with its share of the cores (hf_load.load_threads: `threads`); `rank_cpu_s` and
+`baseline_cpu_s` are CPU seconds (user + system), the work itself where the machine is shared.
 
     python -m jaxodc bench load --json load.json            # the issue's run (>= 1 GB)
     python -m jaxodc bench load --gb 0.05 --ranks 1,2       # a smoke run
@@ -53,7 +55,7 @@ def _status_bytes(key: str) -> int:
 
 def rank_main(a) -> int:
     """One rank: set up (headers, layout), signal ready, wait for go, load its shards, report."""
-    from jaxodc.modeling.hf_load import load_hf
+    from jaxodc.modeling.hf_load import load_hf, load_threads
     from jaxodc.modeling.discover import discover_units
     ck = load_hf(a.dir)
     layout = discover_units(ck.abstract_params(), a.world).layout  # the trainers' default units
@@ -67,10 +69,11 @@ def rank_main(a) -> int:
     with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM restarts from the current RSS
         f.write("5")
     rss0 = _status_bytes("VmRSS")
-    t0 = time.time()
+    c0, t0 = os.times(), time.time()
     shards = ck.read_shards(layout, a.rank)
-    t1 = time.time()
+    t1, c1 = time.time(), os.times()
     out = {"rank": a.rank, "t0": t0, "t1": t1, "peak_rss": _status_bytes("VmHWM"), "rss_before": rss0,
+           "threads": load_threads(), "cpu_s": c1.user + c1.system - c0.user - c0.system,
            "shard_bytes": int(sum(s.nbytes for s in shards.values())),
            "master_bytes": int(sum(u.padded for u in layout.units)) * 4}
     with open(os.path.join(a.sync, f"rank{a.rank}.json"), "w") as f:
@@ -78,23 +81,27 @@ def rank_main(a) -> int:
     return 0
 
 
-def baseline(directory: str) -> float:
-    """Seconds for one process to read every safetensors file of `directory` with safetensors."""
-    code = ("import glob, sys, time, ml_dtypes, safetensors.numpy as s  # ml_dtypes: numpy's bfloat16\n"
-            "t = time.perf_counter()\n"
+def baseline(directory: str) -> tuple[float, float]:
+    """Seconds (wall, CPU) for one process to read every safetensors file of `directory` with
+    safetensors."""
+    code = ("import glob, os, sys, time, ml_dtypes, safetensors.numpy as s  # ml_dtypes: numpy's bfloat16\n"
+            "c, t = os.times(), time.perf_counter()\n"
             "for p in sorted(glob.glob(sys.argv[1] + '/*.safetensors')):\n"
             "    d = s.load_file(p); sum(x.nbytes for x in d.values()); del d\n"
-            "print(time.perf_counter() - t)\n")
+            "e = os.times()\n"
+            "print(time.perf_counter() - t, e.user + e.system - c.user - c.system)\n")
     r = subprocess.run([sys.executable, "-c", code, directory], capture_output=True, text=True, timeout=1200)
     if r.returncode:
         raise RuntimeError(f"baseline read failed: {r.stderr[-2000:]}")
-    return float(r.stdout.split()[-1])
+    wall, cpu = (float(x) for x in r.stdout.split()[-2:])
+    return wall, cpu
 
 
 def run_world(directory: str, world: int, timeout_s: float) -> list[dict]:
     sync = tempfile.mkdtemp(prefix="jaxodc_load_")
+    # JAXODC_LOCAL_WORLD_SIZE as the launcher sets it: a rank reads with its share of the cores
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false",
-           "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+           "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "JAXODC_LOCAL_WORLD_SIZE": str(world)}
     procs = [subprocess.Popen([sys.executable, "-m", "jaxodc.bench.load", "--rank-worker", "--dir", directory,
                                "--world", str(world), "--rank", str(r), "--sync", sync], env=env)
              for r in range(world)]
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
             print(f"generated {directory} in {time.perf_counter() - t:.1f} s", flush=True)
         ckpt_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
                          if f.endswith(".safetensors"))
-        base = baseline(directory)
+        base, base_cpu = baseline(directory)
         rows = []
         for world in [int(x) for x in a.ranks.split(",") if x.strip()]:
             ranks = run_world(directory, world, a.timeout)
@@ -155,11 +162,14 @@ def main(argv=None) -> int:
                          "load_s": load_s, "baseline_s": base, "peak_rss_ranks": [r["peak_rss"] for r in ranks],
                          "rank_load_s": [r["t1"] - r["t0"] for r in ranks],
                          "rank_start_s": [r["t0"] - min(q["t0"] for q in ranks) for r in ranks],
+                         "threads": ranks[0]["threads"], "baseline_cpu_s": base_cpu,
+                         "rank_cpu_s": [r["cpu_s"] for r in ranks],
                          "rss_bar": int(rss_bar), "rss_ok": peak <= rss_bar, "time_ok": load_s <= 1.5 * base})
         write_records(a.json, rows)
         print_table([{**r, "peak_rss_MiB": r["peak_rss"] / MiB, "bar_MiB": r["rss_bar"] / MiB,
                       "master_MiB": r["master_bytes"] / MiB} for r in rows],
-                    ["ranks", "master_MiB", "peak_rss_MiB", "bar_MiB", "rss_ok", "load_s", "baseline_s", "time_ok"])
+                    ["ranks", "threads", "master_MiB", "peak_rss_MiB", "bar_MiB", "rss_ok", "load_s", "baseline_s",
+                     "time_ok"])
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

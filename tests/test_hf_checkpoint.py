@@ -140,6 +140,54 @@ def test_bf16_checkpoint_loads_exactly(tmp_path):
     assert all(np.array_equal(back[k], got[k]) for k in got)
 
 
+@pytest.mark.parametrize("threads,populate", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("comm", ["odc", "collective"])
+def test_threaded_read_equals_files(tmp_path, monkeypatch, threads, populate, comm):
+    """read_shards split into many small jobs over threads (each mapping its own pages, or the
+    whole mapping populated at once where MADV_POPULATE_WRITE is missing): every shard equals
+    the safetensors library's values element by element, padding zero, and the jobs ran on
+    `threads` threads."""
+    import threading
+    from jaxodc.modeling import hf_load
+    doc = tiny_config("llama", vocab=64, dtype="bfloat16", llama3_scaling=True)
+    write_checkpoint(str(tmp_path), doc, seed=3, max_shard_bytes=20_000)
+    expect = {_hf_path(n): x.astype(np.float32) for n, x in tensors_of(str(tmp_path)).items()}
+    monkeypatch.setattr(hf_load, "CHUNK", 37)  # pieces cut across chunk (and page) boundaries
+    if not populate:
+        monkeypatch.setattr(hf_load, "MADV_POPULATE_WRITE", None)
+    who = set()
+    real = safetensors_io.read_range
+    monkeypatch.setattr(hf_load, "read_range", lambda *a: (who.add(threading.current_thread()), real(*a)))
+    ck = load_hf(str(tmp_path))
+    prog = ck.program(2, comm=comm, max_tokens=8)
+    for r in range(2):
+        who.clear()
+        shards = ck.read_shards(prog.layout, r, threads=threads)
+        assert len(who) == threads
+        for u in prog.layout.units:
+            a, b = u.shard_range(r)
+            flat = np.asarray(flatten_unit(u, [expect[p] for p in u.paths]))
+            np.testing.assert_array_equal(shards[u.name], flat[a:b])
+
+
+def test_bf16_widening_is_exact(tmp_path):
+    """read_range's bf16 -> fp32: every one of the 65536 bf16 bit patterns (NaN payloads,
+    subnormals, signed zeros) becomes the fp32 whose top half it is."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    path = str(tmp_path / "all.safetensors")
+    head, spans, size = safetensors_io.layout_file([("x", "BF16", (bits.size,))])
+    safetensors_io.create_file(path, head, size)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        safetensors_io.write_range(fd, spans["x"][0], 0, bits)
+    finally:
+        os.close(fd)
+    entry = safetensors_io.read_header(path)[0]["x"]
+    out = np.empty(bits.size, np.float32)
+    safetensors_io.read_range(entry, 0, bits.size, out)
+    np.testing.assert_array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
 class OneRank:
     """What export_hf uses of a trainer, for rank `rank` of an in-process world whose shards are
     read from a checkpoint (ranks run one after the other: each writes only its own ranges)."""

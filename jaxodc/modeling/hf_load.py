@@ -17,6 +17,8 @@ import glob
 import json
 import mmap
 import os
+import sys
+import threading
 from contextlib import ExitStack
 from typing import Any, Callable, Mapping
 
@@ -34,6 +36,10 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 # tensors some checkpoints carry that the model does not need (old Llama 2 conversions' rope buffers)
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+CHUNK = 4 << 20                 # elements per read job of read_shards (16 MiB of fp32)
+MAX_THREADS = 8
+# Linux >= 5.14 (Python 3.11's mmap does not name it)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,26 +137,35 @@ class HFCheckpoint:
         """The tensor of parameter path `path`."""
         return self.tensors[hf_name(path)]
 
-    def read_shards(self, layout: Layout, rank: int) -> dict[str, np.ndarray]:
+    def read_shards(self, layout: Layout, rank: int, threads: int | None = None) -> dict[str, np.ndarray]:
         """Rank `rank`'s fp32 shard of every unit of `layout` (units of this model's parameter
-        paths), read range by range from the files."""
-        out = {}
-        whole = _populated(sum(spec.shard for spec in layout.units))
-        at = 0
-        with ExitStack() as stack:
-            files: dict[str, Any] = {}
-            for spec in layout.units:
-                buf, at = whole[at:at + spec.shard], at + spec.shard
-                for pc in owned_pieces(spec, rank):
-                    e = self.entry(spec.paths[pc.leaf])
-                    if e.file not in files:
-                        try:
-                            files[e.file] = stack.enter_context(open(e.file, "rb"))
-                        except OSError as err:
-                            raise CheckpointError(f"cannot read tensor {e.name!r} from {e.file}: "
-                                                  f"{err.strerror or err}") from err
-                    read_range(e, pc.lo, pc.hi, buf[pc.at:pc.at + pc.hi - pc.lo], files[e.file])
-                out[spec.name] = buf
+        paths), read range by range from the files by `threads` threads (default load_threads())."""
+        jobs, at = [], 0
+        for spec in layout.units:
+            for pc in owned_pieces(spec, rank):  # in chunks, so threads share even one large tensor
+                e = self.entry(spec.paths[pc.leaf])
+                jobs += [(e, lo, min(lo + CHUNK, pc.hi), at + pc.at + lo - pc.lo) for lo in range(pc.lo, pc.hi, CHUNK)]
+            at += spec.shard
+        threads = max(1, min(threads or load_threads(), len(jobs)))
+        whole, at, out = _Fresh(at, threads), 0, {}
+        for spec in layout.units:
+            out[spec.name], at = whole.array[at:at + spec.shard], at + spec.shard
+        # readinto and numpy's conversion release the GIL; this thread takes the first share
+        errors: list[BaseException] = []
+
+        def share(k: int) -> None:
+            try:
+                _read_jobs(whole, jobs[k::threads])
+            except BaseException as e:  # raised in the caller below
+                errors.append(e)
+        helpers = [threading.Thread(target=share, args=(k,), daemon=True) for k in range(1, threads)]
+        for t in helpers:
+            t.start()
+        share(0)
+        for t in helpers:
+            t.join()
+        if errors:
+            raise errors[0]
         return out
 
     def params(self) -> Any:
@@ -186,14 +201,66 @@ class HFCheckpoint:
         return HFProgram(**fields, hf_config=self.config)
 
 
-def _populated(n: int) -> np.ndarray:
-    """n zeroed fp32 elements whose pages the kernel maps in one call (MAP_POPULATE): filling
-    fresh memory page fault by page fault costs about three times the read itself."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+def load_threads() -> int:
+    """Threads for one rank's read_shards: this process's cores shared among the ranks of its
+    host (JAXODC_LOCAL_WORLD_SIZE / LOCAL_WORLD_SIZE, as the launcher sets them), at most
+    MAX_THREADS (beyond a few, memory bandwidth is the limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        return np.frombuffer(mmap.mmap(-1, max(4 * n, 1), flags=flags), np.float32, count=n)
-    except (OSError, ValueError):  # no anonymous mappings here: plain memory
-        return np.zeros(n, np.float32)
+        local = int(os.environ.get("JAXODC_LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        local = 1
+    return max(1, min(MAX_THREADS, cores // max(1, local)))
+
+
+def _read_jobs(whole: _Fresh, jobs) -> None:
+    """read_range over (entry, lo, hi, offset in whole) jobs, with this thread's own open files
+    (a file object's seek + readinto is not safe to share between threads)."""
+    with ExitStack() as stack:
+        files: dict[str, Any] = {}
+        for e, lo, hi, at in jobs:
+            if e.file not in files:
+                try:
+                    files[e.file] = stack.enter_context(open(e.file, "rb"))
+                except OSError as err:
+                    raise CheckpointError(f"cannot read tensor {e.name!r} from {e.file}: "
+                                          f"{err.strerror or err}") from err
+            whole.populate(at, hi - lo)
+            read_range(e, lo, hi, whole.array[at:at + hi - lo], files[e.file])
+
+
+class _Fresh:
+    """n zeroed fp32 elements (`array`) for read_shards to fill, their pages mapped ahead.
+    Fresh memory is most of a load's cost here (a VM whose freed pages go back to the host, so
+    a first touch is a host fault too): page fault by page fault it cost about three times the
+    read, mapping the pages in one call (MAP_POPULATE) a fraction of that. With `threads` > 1
+    each thread maps the pages of its own ranges (`populate`: MADV_POPULATE_WRITE, Linux >=
+    5.14) just before filling them, so the mapping is spread over the threads too. Transparent
+    huge pages measured slower (2 CPU s more for 2 GiB: the kernel zeroes whole 2 MiB pages
+    taken from the blocks that went back to the host), so the mapping does not ask for them."""
+
+    def __init__(self, n: int, threads: int = 1):
+        flags, self._map = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, None
+        if threads > 1:
+            try:
+                self._map = mmap.mmap(-1, max(4 * n, 1), flags=flags)
+                self._map.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)  # EINVAL where unsupported
+                self.array = np.frombuffer(self._map, np.float32, count=n)
+                return
+            except (OSError, ValueError, AttributeError, TypeError):
+                self._map = None
+        try:
+            m = mmap.mmap(-1, max(4 * n, 1), flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+        except (OSError, ValueError, AttributeError):  # no anonymous mappings here: plain memory
+            self.array = np.zeros(n, np.float32)
+            return
+        self.array = np.frombuffer(m, np.float32, count=n)
+
+    def populate(self, at: int, n: int) -> None:
+        """Maps the pages of elements [at, at + n) (a no-op where __init__ mapped them all)."""
+        if self._map is not None and n > 0:
+            lo = (4 * at) & ~(mmap.PAGESIZE - 1)
+            self._map.madvise(MADV_POPULATE_WRITE, lo, 4 * (at + n) - lo)
 
 
 def load_hf(directory: str, attention: str = "auto") -> HFCheckpoint:
