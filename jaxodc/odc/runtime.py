@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxodc._native import C as _C
 from jaxodc.auth import secret_from_env
+from jaxodc.launch.address import default_listen_host, unreachable_hint
 
 TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3, "nvshmem": 4}
 NVSHMEM_PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_nvshmem_plugin.so")
@@ -213,6 +214,16 @@ def accumulate_mode(accumulate: str | None, rank: int | None = None, device: int
     return accumulate
 
 
+def _with_hint(message: str, infos: Sequence[PeerInfo], transports: Sequence[str]) -> str:
+    """A connect error, plus what to do about the tcp peer it names (its advertised address)."""
+    import re
+    m = re.search(r"could not connect to rank (\d+)", message)
+    if m is None or not 0 <= int(m.group(1)) < len(infos) or transports[int(m.group(1))] not in ("tcp", "nvshmem"):
+        return message
+    info = infos[int(m.group(1))]
+    return f"{message} -- {unreachable_hint(info.rank, info.host_id.split('/')[0], f'{info.address}:{info.port}')}"
+
+
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
@@ -233,7 +244,9 @@ class Runtime:
       job_id: names the job's shared-memory segments (letters, digits, '_').
       transport: "auto", "shm", "tcp", "cuda_ipc" or "nvshmem", or {rank: transport} per peer.
       timeout_s: bound on every wait for a peer.
-      listen_host: address of this rank's TCP server (default $JAXODC_ODC_HOST or 127.0.0.1).
+      listen_host: address of this rank's TCP server (default: $JAXODC_LOCAL_ADDR, else the address of
+        this host that routes to the job's coordinator, loopback for a one-host job;
+        jaxodc.launch.address).
       device: "auto", None (host memory only) or a CUDA ordinal for the server memory.
       slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller slots
         save server memory, pushes then travel in chunks. Every rank must pass the same.
@@ -253,7 +266,7 @@ class Runtime:
                  link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
-        listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
+        listen_host = listen_host or default_listen_host()
         ordinal = resolve_device(device, rank)
         self.accumulate = accumulate_mode(accumulate, rank, ordinal)  # checked before anything is made
         secret = secret_from_env() if secret is None else bytes(secret)
@@ -282,8 +295,11 @@ class Runtime:
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
             self.nvshmem = self._join_nvshmem(infos, rendezvous)
-            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
-                                  for i, t in zip(infos, self.transports)])
+            try:
+                self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
+                                      for i, t in zip(infos, self.transports)])
+            except PeerError as e:
+                raise PeerError(_with_hint(str(e), infos, self.transports)) from None
             if world > 1:
                 rendezvous.barrier(f"odc/{job_id}/connected", world)
             # Every peer has mapped our segment: drop its name so a crash leaves nothing behind.
@@ -323,8 +339,9 @@ class Runtime:
           ctx: a jaxodc.launch.Context.
           **kwargs: Runtime's keyword arguments (transport, timeout_s, device, ...).
         """
+        defaults = {"secret": ctx.secret, "listen_host": getattr(ctx, "local_addr", None)}
         return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
-                   job_id=ctx.job_id, **{"secret": ctx.secret, **kwargs})
+                   job_id=ctx.job_id, **{**defaults, **kwargs})
 
     @property
     def handle(self) -> int:
