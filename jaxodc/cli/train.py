@@ -391,7 +391,26 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
             say(f"{comm:>10} + {balance:<8} Hugging Face export: {trainer.export_hf(export)} "
                 f"(minibatch {trainer.step})")
         digest = params_sha256(trainer.full_params())  # collective: every rank assembles them
-        return [dataclasses.replace(r, params_sha256=digest) for r in trainer.gather_records(timed)]
+        links = pair_transports(trainer.state, ctx.world, ctx.rank)
+        records = trainer.gather_records([dataclasses.replace(r, transports=links) for r in timed])
+        rows = {r.rank: r.transports for r in records}
+        say(f"{comm:>10} + {balance:<8} transports (rank: to rank 0..{ctx.world - 1}): "
+            + "; ".join(f"{k}: {' '.join(rows[k] or ['?'])}" for k in sorted(rows)))
+        return [dataclasses.replace(r, params_sha256=digest) for r in records]
+
+
+def pair_transports(state, world: int, rank: int) -> list[str] | None:
+    """How this rank reaches each rank: the ODC runtime's transports, the lock-step group's
+    links, or "gloo" for jax's collectives."""
+    runtime = getattr(state, "rt", None)
+    if runtime is not None and getattr(runtime, "transports", None) is not None:
+        return list(runtime.transports)
+    group = getattr(state, "group", None)
+    if group is not None:
+        return list(group.links)
+    if getattr(state, "transport", None) == "gloo":
+        return ["self" if r == rank else "gloo" for r in range(world)]
+    return None
 
 
 def params_sha256(params) -> str:
