@@ -233,14 +233,7 @@ def _launch(c: Cluster, i: int, nnodes: int, extra: list[str], cwd: str, timeout
                    stderr=subprocess.STDOUT, text=True)
 
 
-@needs_hosts
-def test_two_hosts_listen_where_peers_reach_them(cluster, tmp_path):
-    """2 hosts x 2 ranks, no environment variable: each rank advertises its host's address, ranks
-    of one host use shm, of two hosts tcp (ODC and the lock-step collectives), and data moves."""
-    (tmp_path / "job.secret").write_bytes(os.urandom(32))
-    procs = [_launch(cluster, i, 2, [PROBE, "20"], str(tmp_path), 120) for i in (0, 1)]
-    outs = [p.communicate(timeout=150)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+def _probe_rows(outs: list[str]) -> dict[int, dict]:
     rows = {}
     for out in outs:
         for line in out.splitlines():
@@ -249,12 +242,48 @@ def test_two_hosts_listen_where_peers_reach_them(cluster, tmp_path):
                 row = json.loads(m.group(1))
                 rows[row["rank"]] = row
     assert sorted(rows) == [0, 1, 2, 3], outs
+    return rows
+
+
+def _run_probe(c: Cluster, tmp_path, *args: str) -> dict[int, dict]:
+    (tmp_path / "job.secret").write_bytes(os.urandom(32))
+    procs = [_launch(c, i, 2, [PROBE, "20", *args], str(tmp_path), 120) for i in (0, 1)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return _probe_rows(outs)
+
+
+@needs_hosts
+def test_two_hosts_listen_where_peers_reach_them(cluster, tmp_path):
+    """2 hosts x 2 ranks, no environment variable: each rank advertises its host's address, ranks
+    of one host use shm, of two hosts tcp (ODC and the lock-step collectives), and data moves.
+    The host gather cache (on by default) fetches each remote piece once per host and version:
+    a host's ranks together receive exactly its remote shards' bytes per version (2 versions),
+    though each rank gathered every unit 3 times per version."""
+    rows = _run_probe(cluster, tmp_path)
     for r, row in rows.items():
         h = r // 2
         assert row["host"] == f"host{h}" and row["addr"] == cluster.hosts[h].address
         want = ["self" if p == r else "shm" if p // 2 == h else "tcp" for p in range(4)]
         assert row["odc"] == want and row["lockstep"] == want
         assert row["gather_ok"] and row["allgather"] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert row["host_cache"] and row["host_cache_bytes"] >= row["remote_shard_bytes"] > 0
+    for h in (0, 1):
+        ranks = [rows[2 * h], rows[2 * h + 1]]
+        assert sum(r["wire_bytes"] for r in ranks) == 2 * ranks[0]["remote_shard_bytes"]
+        assert sum(r["cache_hits"] for r in ranks) > 0
+
+
+@needs_hosts
+def test_without_host_cache_every_gather_crosses(cluster, tmp_path):
+    """The same probe with the cache off: each of a host's 2 ranks fetches every remote piece at
+    each of its 3 gathers per version: 12 times the host's remote shard bytes over 2 versions."""
+    rows = _run_probe(cluster, tmp_path, "nocache")
+    for h in (0, 1):
+        ranks = [rows[2 * h], rows[2 * h + 1]]
+        assert all(r["gather_ok"] and not r["host_cache"] and r["host_cache_bytes"] == 0 for r in ranks)
+        assert sum(r["wire_bytes"] for r in ranks) == 12 * ranks[0]["remote_shard_bytes"]
+        assert sum(r["cache_hits"] for r in ranks) == 0
 
 
 @needs_hosts

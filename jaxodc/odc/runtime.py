@@ -85,6 +85,7 @@ class PeerInfo:
     device_uuid: str = ""  # "" when the rank keeps its server memory on the host only
     nvshmem_error: str = "not tried"  # "" when the rank can use nvshmem (plugin loaded, device present)
     slot_elems: int = 0  # receive-slot capacity (clients write in chunks of it)
+    host_cache: bool = False  # the rank reads owners on other hosts through its host's gather cache
 
 
 def nvshmem_usable(info: PeerInfo) -> bool:
@@ -224,6 +225,13 @@ def _with_hint(message: str, infos: Sequence[PeerInfo], transports: Sequence[str
     return f"{message} -- {unreachable_hint(info.rank, info.host_id.split('/')[0], f'{info.address}:{info.port}')}"
 
 
+def host_cache_wanted(host_cache: bool | None) -> bool:
+    """Runtime's `host_cache`: given, else $JAXODC_ODC_HOST_CACHE ("0" off), else on."""
+    if host_cache is not None:
+        return bool(host_cache)
+    return os.environ.get("JAXODC_ODC_HOST_CACHE", "1").strip() not in ("0", "false", "off", "")
+
+
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
@@ -253,6 +261,11 @@ class Runtime:
       link: an emulated slower network for the tcp transport (`Link`), None for none.
       secret: the job secret every tcp peer proves (jaxodc.auth; listener "odc_tcp", bound to
         job_id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
+      host_cache: read the pieces of owners on other hosts through a per-host gather cache: each
+        fetched once per minibatch by one rank of the host into the host's shared memory, the
+        others copying it (csrc/odc/host_cache.h; memory: every remote owner's pieces in fp32, once
+        per host, `host_cache_bytes`). Used by a host all of whose ranks ask for it and that holds
+        several ranks; default $JAXODC_ODC_HOST_CACHE, else on ("0" turns it off).
       accumulate: how this rank sums the pushes it owns: "exact" (order-independent fixed point:
         same pushes, same bits, whatever order they arrive in; 16 bytes per shard element) or
         "fp32" (arrival order, 4 bytes per element: FSDP's memory); default $JAXODC_ODC_ACCUMULATE
@@ -263,7 +276,8 @@ class Runtime:
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
                  listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0,
-                 link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None):
+                 link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None,
+                 host_cache: bool | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
         listen_host = listen_host or default_listen_host()
@@ -285,7 +299,7 @@ class Runtime:
             nvshmem_error = "no device" if ordinal is None or world == 1 else load_nvshmem_plugin()
             me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
                           self._native.shm_name, self.unit_sizes, self._native.device_uuid, nvshmem_error,
-                          self._native.slot_elems)
+                          self._native.slot_elems, host_cache_wanted(host_cache))
             if world > 1:
                 raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
                 infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
@@ -295,6 +309,8 @@ class Runtime:
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
             self.nvshmem = self._join_nvshmem(infos, rendezvous)
+            self.remote_ranks = [i.rank for i in infos if i.host_id != me.host_id]
+            self.host_cache = self._open_host_cache(infos, rendezvous)
             try:
                 self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
                                       for i, t in zip(infos, self.transports)])
@@ -304,12 +320,60 @@ class Runtime:
                 rendezvous.barrier(f"odc/{job_id}/connected", world)
             # Every peer has mapped our segment: drop its name so a crash leaves nothing behind.
             self._native.unlink_segment()
+            self._native.unlink_host_cache()
         except BaseException:
             self._native.close(collective=False)
             raise
         self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._closed = False
         _live.add(self)
+
+    def _open_host_cache(self, infos: Sequence[PeerInfo], rendezvous) -> bool:
+        """The host gather cache (see `host_cache`): a host uses it when it holds several ranks,
+        every one of them asks for it, and other hosts exist. Decided from every rank's PeerInfo,
+        so all ranks agree; the host's first rank creates it, the others open it after a barrier."""
+        hosts: dict[str, list[PeerInfo]] = {}
+        for i in infos:
+            hosts.setdefault(i.host_id, []).append(i)
+        using = {h for h, members in hosts.items()
+                 if len(hosts) > 1 and len(members) > 1 and all(m.host_cache for m in members)}
+        if not using:
+            return False
+        mine = hosts[infos[self.rank].host_id]
+        leader = min(m.rank for m in mine)
+        name = f"/jaxodc_{self.job_id}_hostcache{leader}"
+        if infos[self.rank].host_id in using and self.rank == leader:
+            self._native.create_host_cache(name, self.remote_ranks)
+        rendezvous.barrier(f"odc/{self.job_id}/host_cache", self.world)
+        if infos[self.rank].host_id not in using:
+            return False
+        if self.rank != leader:
+            self._native.open_host_cache(name)
+        return True
+
+    def remote_shard_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of every owner's pieces on other hosts than this rank's, all units: what this host
+        must receive per minibatch to gather every unit once (gathered in `itemsize`-byte elements)."""
+        total = 0
+        for u, n in enumerate(self.unit_sizes):
+            shard = self.shard_size(u)
+            total += sum(max(0, min(shard, n - r * shard)) for r in self.remote_ranks)
+        return total * itemsize
+
+    @property
+    def host_cache_bytes(self) -> int:
+        """Bytes of the host gather cache's data on this host (0 without one)."""
+        return int(self._native.host_cache_bytes)
+
+    @property
+    def gather_wire_bytes(self) -> int:
+        """Bytes of gathered pieces this rank has received over the network so far."""
+        return int(self._native.gather_wire_bytes)
+
+    @property
+    def gather_cache_hits(self) -> int:
+        """Pieces this rank read from its host's gather cache that another rank of the host fetched."""
+        return int(self._native.gather_cache_hits)
 
     def _join_nvshmem(self, infos: Sequence[PeerInfo], rendezvous) -> bool:
         """Joins the NVSHMEM job when any rank chose nvshmem for a peer: every rank able to use it
