@@ -46,9 +46,14 @@ def _host_runs(lines: list[str]) -> dict[int, list[str]]:
     return runs
 
 
-def _on_hosts(c: Cluster, runs: dict[int, list[str]], cwd: str, timeout: float) -> dict[int, tuple[int, str]]:
-    procs = {i: c.popen(i, argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, argv in runs.items()}
+def _on_hosts(c: Cluster | str, runs: dict[int, list[str]], cwd: str, timeout: float) -> dict[int, tuple[int, str]]:
+    """Runs argv on host i for each {i: argv} at once: through the Cluster, or, given a cluster's
+    name, as the README does (`python -m jaxodc cluster exec NAME I -- argv`)."""
+    def start(i, argv):
+        cmd = ([sys.executable, "-m", "jaxodc", "cluster", "exec", c, str(i), "--", *argv] if isinstance(c, str)
+               else c.command(i, argv, cwd))
+        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {i: start(i, argv) for i, argv in runs.items()}
     out = {}
     for i, p in procs.items():
         try:
@@ -92,8 +97,7 @@ def test_readme_commands_on_two_hosts(tmp_path):
     subprocess.run([sys.executable, *up[1:5], name, *up[6:]], check=True, env=_env(), timeout=60,
                    capture_output=True)
     try:
-        c = Cluster.attach(name)
-        got = _on_hosts(c, runs, str(tmp_path), timeout=280)
+        got = _on_hosts(name, runs, str(tmp_path), timeout=280)
     finally:
         down = shlex.split(lines[-1])
         subprocess.run([sys.executable, *down[1:5], name], env=_env(), timeout=60)
