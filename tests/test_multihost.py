@@ -83,9 +83,9 @@ def _final_losses(text: str) -> dict[str, str]:
 
 def test_readme_commands_on_two_hosts(tmp_path):
     """The README's block, line by line: `cluster up` and `down` as written, each `cluster exec`
-    line on its host (the `&` one alongside), the secret as the block makes it. Both hosts end rc 0
-    and print the same final loss; ranks 0,1 | 2,3 use shm inside a host and tcp across. (The
-    equality with one host: test_same_bits_as_one_host.)"""
+    line on its host through `cluster exec` (the `&` one alongside), the secret as the block makes
+    it. Both hosts end rc 0, rank 0 reports all 6 minibatches and the summary; ranks 0,1 | 2,3 use
+    shm inside a host and tcp across. (The equality with one host: test_same_bits_as_one_host.)"""
     lines = readme_commands()
     up = shlex.split(lines[0])
     assert up[:6] == ["python", "-m", "jaxodc", "cluster", "up", "demo"], lines[0]
