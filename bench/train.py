@@ -482,6 +482,9 @@ def _forward(args) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--hosts" or a.startswith("--hosts=") for a in argv):  # across emulated hosts (bench/hosts.py)
+        from jaxodc.bench import hosts
+        return hosts.main(argv)
     args = _args(argv)
     if args.worker:  # one core per rank (before jax is imported): "one compute thread each"
         pin_one_core(int(os.environ.get("JAXODC_LOCAL_RANK", "0")))

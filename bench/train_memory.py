@@ -64,6 +64,13 @@ def _analysis(jitted, *args) -> dict[str, int]:
     return _memory(_compiled(jitted, *args))
 
 
+def host_cache_share(rt) -> int:
+    """This rank's share of its host's gather cache (docs/hosts.md): the host's cache bytes over the
+    host's ranks; 0 on one host, where no cache is made."""
+    total = int(getattr(rt, "host_cache_bytes", 0) or 0)
+    return total // max(1, int(os.environ.get("JAXODC_LOCAL_WORLD_SIZE", "1")))
+
+
 def _memory(compiled) -> dict[str, int]:
     ma = compiled.memory_analysis()
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -108,7 +115,9 @@ def accounted(tr, batch: dict) -> dict:
     else:
         st = tr.rt.stats()
         native = {k: int(st[k]) for k in ("master_bytes", "accum_bytes", "slot_bytes", "segment_bytes")}
-        outside = native["segment_bytes"] + native["accum_bytes"]  # the runtime's memory, outside XLA
+        native["host_cache_bytes"] = host_cache_share(tr.rt)
+        # the runtime's memory, outside XLA (and this rank's share of its host's gather cache)
+        outside = native["segment_bytes"] + native["accum_bytes"] + native["host_cache_bytes"]
         jb = {k: jnp.asarray(v) for k, v in batch.items()}
         grads = {u.name: jnp.zeros(u.shard, jnp.float32) for u in tr.layout.units}
         mb_c = _compiled(tr._mb_step, tr.shards, tr.consts, jb, jnp.float32(1.0), jnp.int32(tr.version))
@@ -241,7 +250,7 @@ def worker(args) -> int:
                if not (masters and a.unsafe_buffer_pointer() in masters))
     # The ODC runtime's segment and accumulators, or the lock-step group's segment (transport
     # "jaxodc"): shm pages, which the transient below leaves out with the peers' mapped segments.
-    native_live = ((rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"]) if rt else
+    native_live = ((rt.stats()["segment_bytes"] + rt.stats()["accum_bytes"] + host_cache_share(rt)) if rt else
                    lockstep_bytes(tr.group) if tr.group is not None else 0)
     _reset_peak()
     before = _status()

@@ -103,6 +103,16 @@ void bind_odc(nb::module_& m, nb::dict& targets) {
           },
           "peers: [(rank, transport 0=self 1=shm 2=tcp 3=cuda_ipc 4=nvshmem, shm_name, host, port)]")
       .def("unlink_segment", &Runtime::unlink_segment)
+      .def("create_host_cache", &Runtime::create_host_cache, nb::arg("name"), nb::arg("remote"),
+           "The host's first rank: creates the per-host gather cache with entries for the `remote` owners; before connect.")
+      .def("open_host_cache", &Runtime::open_host_cache, nb::arg("name"),
+           "The host's other ranks: maps the host's gather cache; before connect.")
+      .def("unlink_host_cache", &Runtime::unlink_host_cache)
+      .def_prop_ro("host_cache_bytes", &Runtime::host_cache_bytes, "bytes of the host gather cache's data (0: none)")
+      .def_prop_ro("gather_wire_bytes", &Runtime::gather_wire_bytes,
+                   "bytes of gathered pieces this rank received over the network so far")
+      .def_prop_ro("gather_cache_hits", &Runtime::gather_cache_hits,
+                   "pieces this rank read from the host gather cache that another rank of its host fetched")
       .def("set_link", &Runtime::set_link, nb::arg("bytes_per_s"), nb::arg("latency_s"),
            "Emulated link of the tcp transport (before connect): bytes/s cap (<= 0: none), added latency.")
       .def("set_exact_sum", &Runtime::set_exact_sum, nb::arg("exact"),

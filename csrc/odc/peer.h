@@ -7,6 +7,7 @@
 // The runtime picks the class of each peer once, at connect.
 #pragma once
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -63,6 +64,10 @@ class Peer {
   // Throws PeerError naming `what` when this owner is known to be gone, so a wait on its memory
   // does not run into its timeout.
   virtual void check_alive(const std::string& /*what*/) const {}
+  // Bytes of gathered pieces this rank received from this owner over the network (tcp), and the
+  // pieces it read from the host gather cache that another rank of its host fetched (host_cache.h).
+  virtual int64_t gather_bytes() const { return 0; }
+  virtual int64_t cache_hits() const { return 0; }
 
   // The CUDA handlers' path (Runtime::gather_device / scatter_device): whether this owner is
   // reached in device memory, and its piece of a gather / push of fp32 device arrays.
@@ -146,6 +151,7 @@ class TcpPeer : public Peer {
   void scalars(int64_t seq, int64_t n, double* out, const std::string& what) override;
   void say_goodbye() override;
   void close() override;
+  int64_t gather_bytes() const override { return gather_bytes_.load(); }
 
  protected:
   // One request and its reply on the connection (an error reply throws PeerError(what: message)).
@@ -157,6 +163,7 @@ class TcpPeer : public Peer {
 
   std::mutex mu_;  // one request at a time on the connection
   int fd_ = -1;
+  std::atomic<int64_t> gather_bytes_{0};
   tcp::Link link_;  // to this owner
 };
 

@@ -9,6 +9,7 @@
 
 #include "common/handles.h"
 #include "odc/core.h"
+#include "odc/host_cache.h"
 #include "odc/peer.h"
 #include "odc/segment.h"
 #include "odc/wire.h"
@@ -233,12 +234,49 @@ void Runtime::connect(const std::vector<PeerConfig>& configs) {
     switch (cfg.transport) {
       case Transport::kShm: peers_[cfg.rank] = std::make_unique<ShmPeer>(core, cfg.rank, mapped()); break;
       case Transport::kCudaIpc: peers_[cfg.rank] = make_cuda_ipc_peer(core, cfg.rank, mapped()); break;
-      case Transport::kTcp: peers_[cfg.rank] = std::make_unique<TcpPeer>(core, cfg); break;
+      case Transport::kTcp:
+        if (host_cache_ && host_cache_->caches(cfg.rank))
+          peers_[cfg.rank] = std::make_unique<CachedPeer>(core, std::make_unique<TcpPeer>(core, cfg), *host_cache_);
+        else
+          peers_[cfg.rank] = std::make_unique<TcpPeer>(core, cfg);
+        break;
       case Transport::kNvshmem: peers_[cfg.rank] = make_nvshmem_peer(core, cfg); break;
       default: throw Error("connect: peer " + std::to_string(cfg.rank) + " cannot use the 'self' transport");
     }
   }
   handle_ = live_runtimes().add(this);
+}
+
+void Runtime::create_host_cache(const std::string& name, const std::vector<int>& remote) {
+  check_open("create_host_cache");
+  if (connected_) throw Error("create_host_cache: " + core_->who() + ": call it before connect");
+  host_cache_ = HostCache::create(name, core_->layout, remote, core_->who());
+}
+
+void Runtime::open_host_cache(const std::string& name) {
+  check_open("open_host_cache");
+  if (connected_) throw Error("open_host_cache: " + core_->who() + ": call it before connect");
+  host_cache_ = HostCache::open(name, core_->layout, core_->who());
+}
+
+void Runtime::unlink_host_cache() {
+  if (host_cache_) host_cache_->unlink();
+}
+
+int64_t Runtime::host_cache_bytes() const { return host_cache_ ? host_cache_->data_bytes() : 0; }
+
+int64_t Runtime::gather_wire_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : peers_)
+    if (p) n += p->gather_bytes();
+  return n;
+}
+
+int64_t Runtime::gather_cache_hits() const {
+  int64_t n = 0;
+  for (const auto& p : peers_)
+    if (p) n += p->cache_hits();
+  return n;
 }
 
 void Runtime::unlink_segment() {
@@ -271,6 +309,7 @@ void Runtime::close(bool collective) {
     if (p) p->close();
   if (core.dev) core.dev->release();
   unlink_segment();
+  unlink_host_cache();
   // My own segment stays mapped until destruction: arrays lent by master_view may outlive
   // close() (they keep this object alive), and must not point at unmapped memory.
   closed_ = true;

@@ -51,6 +51,7 @@ struct Core;
 struct Mapping;
 class Peer;
 class TcpServer;
+class HostCache;
 
 // kCudaIpc: the shm control segment plus the peer's device block mapped with CUDA IPC.
 // kNvshmem: control over the peer's TCP connection, data in the NVSHMEM symmetric blocks.
@@ -136,6 +137,19 @@ class Runtime {
   // connect.
   void set_exact_sum(bool exact);
   bool exact_sum() const;
+
+  // The per-host gather cache (host_cache.h), before connect: the host's first rank creates
+  // segment `name` with entries for the owners in `remote` (the ranks on other hosts), its other
+  // ranks open it once it exists. connect then reads those owners through it where it reaches them
+  // over tcp. unlink_host_cache removes the name once every rank of the host mapped it.
+  void create_host_cache(const std::string& name, const std::vector<int>& remote);
+  void open_host_cache(const std::string& name);
+  void unlink_host_cache();
+  int64_t host_cache_bytes() const;  // 0 without a cache
+  // Gather traffic so far: bytes of pieces received over the network, and pieces read from the
+  // host gather cache that another rank of the host fetched.
+  int64_t gather_wire_bytes() const;
+  int64_t gather_cache_hits() const;
 
   // Attaches to every peer (shm mapping, + device block for cuda_ipc, or TCP connection + layout
   // handshake).
@@ -240,6 +254,7 @@ class Runtime {
   bool linked_ = false;
   std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null until connect
   std::unique_ptr<TcpServer> server_;         // null in a world of one
+  std::unique_ptr<HostCache> host_cache_;     // null unless create_host_cache / open_host_cache
   std::unique_ptr<Compressor> compressor_;
 
   // Per unit; their fp32 sums are 64-byte aligned, so Python can wrap them without a copy (jax

@@ -68,6 +68,7 @@ void TcpPeer::read_piece(int unit, int64_t, const std::vector<Segment>& out, Ele
     }
     tcp::recv_within(fd_, to, part, core_.timeout_s, name());
   }
+  gather_bytes_.fetch_add(static_cast<int64_t>(bytes));
   tcp::arrive_after(r.sent_at, static_cast<double>(sizeof(r) + bytes), core_.link_rate, core_.link_latency);
 }
 

@@ -13,6 +13,7 @@ COMMANDS = {
     "simulate": ("jaxodc.cli.simulate", "main", "bubble-rate simulator for a length distribution"),
     "bench": ("jaxodc.cli.bench", "main", "benchmarks: primitives, train, allreduce"),
     "master": ("jaxodc.coord.service", "main", "run the coordination service standalone"),
+    "cluster": ("jaxodc.launch.cluster", "main", "emulated hosts on this machine (root): up, exec, faults, down"),
 }
 
 

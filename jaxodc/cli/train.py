@@ -108,6 +108,9 @@ def parser(prog: str = "jaxodc train") -> argparse.ArgumentParser:
       help="the collective trainer's collectives: jax's (gloo on CPU) or jaxodc's lock-step shm / tcp ones")
     a("--link-mbps", type=float, default=0.0, help="emulate a link of this many Mbit/s on ODC's tcp transport")
     a("--link-ms", type=float, default=0.0, help="emulate this many ms of one-way latency on ODC's tcp transport")
+    a("--host-cache", action=argparse.BooleanOptionalAction, default=None,
+      help="odc across hosts: each remote shard fetched once per host and minibatch into the host's shared memory, "
+           "the host's ranks gathering from it (default on, or $JAXODC_ODC_HOST_CACHE)")
     a("--reproducible", action="store_true",
       help="ODC owners sum pushes exactly (order-independent): the same seed, data and world give bit-identical "
            "parameters; 16 bytes per owned element instead of 4, under 3%% of throughput; CPU owners only "
@@ -351,7 +354,8 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
     from jaxodc.odc import Link
     from jaxodc.train.straggle import parse_straggle
     odc_kwargs = {"transport": args.collective_transport} if comm != "odc" else {
-        "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None}
+        "transport": args.transport, "link": Link(args.link_mbps, args.link_ms) if args.link_mbps or args.link_ms else None,
+        "host_cache": args.host_cache}
     trainer = Trainer(model, opt, comm=comm, balance=balance, max_tokens=args.max_tokens, params=params,
                       cost=cost_of(args, width), ctx=ctx, min_bucket=args.min_bucket or None,
                       compress=parse_compression(args.compress), precision=args.precision,
@@ -364,8 +368,13 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
         batches = trainer.minibatch_stream(len(samples), args.minibatch, args.steps, seed=2)
         bar = Progress(len(batches), f"{comm}+{balance}", enabled=args.progress and ctx.rank == 0)
         timed, saved = [], trainer.step
+        runtime = getattr(trainer.state, "rt", None)
+        fetched = (lambda: runtime.gather_wire_bytes) if hasattr(runtime, "gather_wire_bytes") else None
         for i, idx in enumerate(batches):
+            before = fetched() if fetched else 0
             rec = trainer.fit(samples.tokens, [idx])[0]
+            if fetched:  # gathered bytes that crossed the network in this minibatch
+                rec = dataclasses.replace(rec, gather_wire_bytes=fetched() - before)
             if i >= args.warmup:
                 timed.append(rec)
             if args.progress:
@@ -391,7 +400,26 @@ def _train_run(args, ctx, samples, run: tuple[str, str], n_runs: int):
             say(f"{comm:>10} + {balance:<8} Hugging Face export: {trainer.export_hf(export)} "
                 f"(minibatch {trainer.step})")
         digest = params_sha256(trainer.full_params())  # collective: every rank assembles them
-        return [dataclasses.replace(r, params_sha256=digest) for r in trainer.gather_records(timed)]
+        links = pair_transports(trainer.state, ctx.world, ctx.rank)
+        records = trainer.gather_records([dataclasses.replace(r, transports=links) for r in timed])
+        rows = {r.rank: r.transports for r in records}
+        say(f"{comm:>10} + {balance:<8} transports (rank: to rank 0..{ctx.world - 1}): "
+            + "; ".join(f"{k}: {' '.join(rows[k] or ['?'])}" for k in sorted(rows)))
+        return [dataclasses.replace(r, params_sha256=digest) for r in records]
+
+
+def pair_transports(state, world: int, rank: int) -> list[str] | None:
+    """How this rank reaches each rank: the ODC runtime's transports, the lock-step group's
+    links, or "gloo" for jax's collectives."""
+    runtime = getattr(state, "rt", None)
+    if runtime is not None and getattr(runtime, "transports", None) is not None:
+        return list(runtime.transports)
+    group = getattr(state, "group", None)
+    if group is not None:
+        return list(group.links)
+    if getattr(state, "transport", None) == "gloo":
+        return ["self" if r == rank else "gloo" for r in range(world)]
+    return None
 
 
 def params_sha256(params) -> str:

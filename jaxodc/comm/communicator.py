@@ -107,7 +107,9 @@ class Communicator:
       pool_size: connections per ring neighbour (concurrent all-reduces).
       heartbeat_s: interval of heartbeats to the service (a silent peer is declared dead).
       timeout_s: how long a request to the service may take.
-      host: the address this peer listens on for ring and shared-state connections.
+      host: the address this peer listens on for ring and shared-state connections (default:
+        $JAXODC_LOCAL_ADDR, else the address of this host that routes to the coordination service,
+        loopback when the service is; jaxodc.launch.address).
       ring_timeout_s: how long a ring transfer may stall before it is aborted.
       host_master: run the coordination service in this process.
       master_heartbeat_timeout_s: the embedded service's dead-peer timeout.
@@ -117,7 +119,7 @@ class Communicator:
     """
 
     def __init__(self, address: str | None, peer_group: int = 0, secret: bytes = b"", pool_size: int = 2,
-                 heartbeat_s: float = 0.5, timeout_s: float = 60.0, host: str = "127.0.0.1",
+                 heartbeat_s: float = 0.5, timeout_s: float = 60.0, host: str | None = None,
                  ring_timeout_s: float = 10.0, host_master: bool = False,
                  master_heartbeat_timeout_s: float | None = None, link=None):
         if isinstance(secret, str):
@@ -133,13 +135,16 @@ class Communicator:
         self.master = None
         if host_master:
             from jaxodc.coord.service import CoordinatorService
-            mh, mp = P.parse_address(address or f"{host}:0")
+            mh, mp = P.parse_address(address or f"{host or '127.0.0.1'}:0")
             self.master = CoordinatorService(mh, mp, secret, heartbeat_timeout_s=master_heartbeat_timeout_s
                                              or max(10 * heartbeat_s, 2.0)).start()
             address = self.master.address
         if address is None:
             raise ValueError("Communicator needs the service address (or host_master=True)")
         self.address = address
+        if self.host is None:
+            from jaxodc.launch.address import default_listen_host
+            self.host = default_listen_host(address)
         self._send_lock = threading.Lock()
         self._rids = itertools.count(1)
         self._inflight_lock = threading.Lock()

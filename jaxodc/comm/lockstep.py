@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import secrets
 from typing import Callable, NamedTuple, Sequence
 
@@ -56,7 +57,8 @@ class LockstepGroup:
         `allgather_bytes`, or a rendezvous' allgather).
       link: "auto" (shm on the same host, tcp otherwise), "shm" or "tcp", for every peer.
       timeout_s: bound on every wait for a peer; the error names the channel, call and peer.
-      listen_host: address of this rank's TCP listener (default $JAXODC_ODC_HOST or 127.0.0.1).
+      listen_host: address of this rank's TCP listener (default: $JAXODC_LOCAL_ADDR, else the address of
+        this host that routes to the job's coordinator, loopback for a one-host job; jaxodc.launch.address).
       job_id: names the shared-memory segment (default $JAXODC_JOB_ID); the name is removed once
         every peer mapped it.
       secret: the job secret every tcp link proves (jaxodc.auth; listener "lockstep_tcp", bound to
@@ -80,7 +82,8 @@ class LockstepGroup:
         job_id = job_id or os.environ.get("JAXODC_JOB_ID") or ""  # the same on every rank: it is authenticated
         job = job_id or f"p{os.getpid()}{secrets.token_hex(3)}"
         shm_name = f"/jaxodc_{job}_lockstep{rank}_{next(_names)}"
-        listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
+        from jaxodc.launch.address import default_listen_host, unreachable_hint
+        listen_host = listen_host or default_listen_host()
         self._native = _C.LockstepGroup(rank, world, shm_name, [(KINDS[c.kind], int(c.n), c.name, DTYPES[c.dtype])
                                                                    for c in self.channels],
                                         float(timeout_s), listen_host,
@@ -94,8 +97,17 @@ class LockstepGroup:
                     raise ValueError(f"rank {rank}: rank {info['rank']} built other lockstep channels (every rank "
                                      "must pass the same kinds and sizes, in the same order)")
             self.links = [self._link(me, info, link) for info in infos]
-            self._native.connect([(i["rank"], LINKS.get(l, 0), i["shm_name"], i["address"], i["port"])
-                                  for i, l in zip(infos, self.links)])
+            try:
+                self._native.connect([(i["rank"], LINKS.get(l, 0), i["shm_name"], i["address"], i["port"])
+                                      for i, l in zip(infos, self.links)])
+            except Exception as e:
+                m = re.search(r"could not connect to rank (\d+)", str(e))
+                peer = int(m.group(1)) if m else -1
+                if not 0 <= peer < len(infos) or self.links[peer] != "tcp":
+                    raise
+                i = infos[peer]
+                where = f"{i['address']}:{i['port']}"
+                raise type(e)(f"{e} -- {unreachable_hint(peer, i['host'].split('/')[0], where)}") from None
             if world > 1:
                 allgather(b"connected")  # every peer mapped my segment: its name can go
             self._native.unlink_segment()

@@ -17,7 +17,6 @@ With neither, the process is a world of one (rank 0 with a private rendezvous se
 from __future__ import annotations
 
 import glob
-import ipaddress
 import os
 import re
 import socket
@@ -29,6 +28,7 @@ import msgpack
 
 from jaxodc.auth import secret_from_env
 from jaxodc.coord.protocol import parse_address
+from jaxodc.launch import address
 from jaxodc.launch.rendezvous import RendezvousClient, RendezvousServer
 
 __all__ = [
@@ -71,6 +71,7 @@ class Context:
     timeout_s: float = 120.0
     jax_initialized: bool = False
     secret: bytes = b""  # the job secret (jaxodc.auth): every listener of the job checks it
+    local_addr: str = "127.0.0.1"  # what this rank's listeners bind and advertise (jaxodc.launch.address)
 
     def barrier(self, name: str, timeout_s: float | None = None) -> None:
         self.rendezvous.barrier(name, self.world, timeout_s)
@@ -236,15 +237,8 @@ def _check(s: Settings) -> None:
 
 
 def _bind_host(host: str) -> str:
-    """Interface rank 0 listens on: the given address if it is loopback, else all interfaces
-    (a hostname may resolve to an address of another interface than the one peers use)."""
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return host
-    except ValueError:
-        if host == "localhost":
-            return "127.0.0.1"
-    return "0.0.0.0"
+    """Interface rank 0 serves the coordinator address `host` on (jaxodc.launch.address.bind_address)."""
+    return address.bind_address(host)
 
 
 # -- public entry points --------------------------------------------------------------------------
@@ -278,10 +272,14 @@ def init_from_env(timeout_s: float = 120.0) -> Context:
     ctx = Context(s.rank, s.world, s.local_rank, s.local_world, s.job_id, coordinator, client,
                   server, s.jax_coordinator, timeout_s, secret=s.secret)
     try:
+        # The address this rank's listeners bind and advertise (jaxodc.launch.address).
+        mine = address.listen_address(coordinator)
         me = {"world": s.world, "job": s.job_id, "local_world": s.local_world,
-              "host": socket.gethostname(), "pid": os.getpid()}
+              "host": socket.gethostname(), "pid": os.getpid(), "addr": mine}
         peers = [msgpack.unpackb(b) for b in
                  client.allgather("jaxodc/init", msgpack.packb(me), s.world, timeout_s)]
+        ctx.local_addr = mine if address.override() else address.refine(mine, me["host"], peers)
+        address.set_process_address(ctx.local_addr)
         bad = [r for r, p in enumerate(peers) if (p["world"], p["job"]) != (s.world, s.job_id)]
         if bad:
             raise RuntimeError(
@@ -315,7 +313,7 @@ def init_jax_distributed(ctx: Context, cpu_collectives: str = "gloo",
     local_device_ids "auto": all local devices on CPU; on accelerators [local_rank] when several
     ranks share a host, else all. The jax coordinator is JAXODC_JAX_COORDINATOR, or a port rank 0
     picks and publishes through the rendezvous. Its service listens where the rendezvous does:
-    loopback unless the coordinator names another host (`_bind_host`)."""
+    loopback, or the coordinator's own address on its host (jaxodc.launch.address.bind_address)."""
     import jax
 
     timeout = ctx.timeout_s if timeout_s is None else timeout_s

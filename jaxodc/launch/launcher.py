@@ -5,6 +5,9 @@
     multi-host, one launcher per host:
     jaxodc launch -n N --nnodes M --node-rank R --coordinator HOST0:PORT --secret-file F script.py
 
+Across hosts every listener of a rank binds and advertises the address of its host that routes to
+the coordinator (jaxodc.launch.address); --local-addr ADDR picks another on hosts with several networks.
+
 Each rank is a subprocess in its own process group, with the environment described in
 jaxodc.launch.context. Rank 0 hosts the rendezvous server at the coordinator address.
 
@@ -39,6 +42,7 @@ import threading
 import time
 
 from jaxodc import auth
+from jaxodc.launch.address import ADDR_ENV
 from jaxodc.launch.context import cleanup_shm, free_port, new_job_id, sanitize_job_id
 
 __all__ = ["main", "rank_env", "capacity_error", "TIMEOUT_STATUS", "LOG_DIR_ENV"]
@@ -51,7 +55,8 @@ RANKS_PER_CORE = 16  # beyond this the ranks only fight over the cores
 
 # options that take a value (everything up to the script / -m module belongs to the launcher)
 _VALUE_OPTS = {"-n", "--nproc", "--nproc-per-node", "--hosts", "--timeout", "--grace", "--nnodes",
-               "--node-rank", "--coordinator", "--jax-coordinator", "--job-id", "--secret-file"}
+               "--node-rank", "--coordinator", "--jax-coordinator", "--job-id", "--secret-file",
+               "--local-addr"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None,
                    help="file holding the job secret every host's ranks prove (needed with --nnodes>1 "
                         "unless JAXODC_JOB_SECRET / JAXODC_SECRET_FILE is set); default: a fresh one")
+    p.add_argument("--local-addr", default=None, metavar="ADDR",
+                   help="address of this host the ranks' listeners bind and advertise to the other hosts "
+                        "(sets $JAXODC_LOCAL_ADDR); default: the address that routes to the coordinator "
+                        "(loopback for a one-host job). For hosts with several networks")
     p.add_argument("--timeout", type=float, default=None, help="kill the job after S seconds")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
@@ -420,6 +429,8 @@ def _run(cmd, args, world, coordinator, jax_coordinator, job_id, secret_env) -> 
                            jax_coordinator=jax_coordinator, job_id=job_id,
                            node_rank=args.node_rank, nnodes=args.nnodes)
             env.update(secret_env)
+            if args.local_addr:
+                env[ADDR_ENV] = args.local_addr
             env[LOG_DIR_ENV] = log_dir
             try:
                 proc = subprocess.Popen(_with_parent_death_signal(cmd, me), env=env, stdout=subprocess.PIPE,

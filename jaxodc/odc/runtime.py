@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxodc._native import C as _C
 from jaxodc.auth import secret_from_env
+from jaxodc.launch.address import default_listen_host, unreachable_hint
 
 TRANSPORTS = {"self": 0, "shm": 1, "tcp": 2, "cuda_ipc": 3, "nvshmem": 4}
 NVSHMEM_PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_nvshmem_plugin.so")
@@ -84,6 +85,7 @@ class PeerInfo:
     device_uuid: str = ""  # "" when the rank keeps its server memory on the host only
     nvshmem_error: str = "not tried"  # "" when the rank can use nvshmem (plugin loaded, device present)
     slot_elems: int = 0  # receive-slot capacity (clients write in chunks of it)
+    host_cache: bool = False  # the rank reads owners on other hosts through its host's gather cache
 
 
 def nvshmem_usable(info: PeerInfo) -> bool:
@@ -213,6 +215,23 @@ def accumulate_mode(accumulate: str | None, rank: int | None = None, device: int
     return accumulate
 
 
+def _with_hint(message: str, infos: Sequence[PeerInfo], transports: Sequence[str]) -> str:
+    """A connect error, plus what to do about the tcp peer it names (its advertised address)."""
+    import re
+    m = re.search(r"could not connect to rank (\d+)", message)
+    if m is None or not 0 <= int(m.group(1)) < len(infos) or transports[int(m.group(1))] not in ("tcp", "nvshmem"):
+        return message
+    info = infos[int(m.group(1))]
+    return f"{message} -- {unreachable_hint(info.rank, info.host_id.split('/')[0], f'{info.address}:{info.port}')}"
+
+
+def host_cache_wanted(host_cache: bool | None) -> bool:
+    """Runtime's `host_cache`: given, else $JAXODC_ODC_HOST_CACHE ("0" off), else on."""
+    if host_cache is not None:
+        return bool(host_cache)
+    return os.environ.get("JAXODC_ODC_HOST_CACHE", "1").strip() not in ("0", "false", "off", "")
+
+
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
@@ -233,13 +252,20 @@ class Runtime:
       job_id: names the job's shared-memory segments (letters, digits, '_').
       transport: "auto", "shm", "tcp", "cuda_ipc" or "nvshmem", or {rank: transport} per peer.
       timeout_s: bound on every wait for a peer.
-      listen_host: address of this rank's TCP server (default $JAXODC_ODC_HOST or 127.0.0.1).
+      listen_host: address of this rank's TCP server (default: $JAXODC_LOCAL_ADDR, else the address of
+        this host that routes to the job's coordinator, loopback for a one-host job;
+        jaxodc.launch.address).
       device: "auto", None (host memory only) or a CUDA ordinal for the server memory.
       slot_elems: fp32 elements per receive slot (0: a shard of the largest unit); smaller slots
         save server memory, pushes then travel in chunks. Every rank must pass the same.
       link: an emulated slower network for the tcp transport (`Link`), None for none.
       secret: the job secret every tcp peer proves (jaxodc.auth; listener "odc_tcp", bound to
         job_id); None: the launcher's ($JAXODC_JOB_SECRET). Empty only with a loopback listen_host.
+      host_cache: read the pieces of owners on other hosts through a per-host gather cache: each
+        fetched once per minibatch by one rank of the host into the host's shared memory, the
+        others copying it (csrc/odc/host_cache.h; memory: every remote owner's pieces in fp32, once
+        per host, `host_cache_bytes`). Used by a host all of whose ranks ask for it and that holds
+        several ranks; default $JAXODC_ODC_HOST_CACHE, else on ("0" turns it off).
       accumulate: how this rank sums the pushes it owns: "exact" (order-independent fixed point:
         same pushes, same bits, whatever order they arrive in; 16 bytes per shard element) or
         "fp32" (arrival order, 4 bytes per element: FSDP's memory); default $JAXODC_ODC_ACCUMULATE
@@ -250,10 +276,11 @@ class Runtime:
     def __init__(self, unit_sizes: Sequence[int], *, rank: int, world: int, rendezvous, job_id: str,
                  transport: str | Mapping[int, str] = "auto", timeout_s: float = 60.0,
                  listen_host: str | None = None, device: int | str | None = "auto", slot_elems: int = 0,
-                 link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None):
+                 link: Link | None = None, secret: bytes | None = None, accumulate: str | None = None,
+                 host_cache: bool | None = None):
         self.unit_sizes = tuple(int(n) for n in unit_sizes)
         self.rank, self.world, self.job_id = rank, world, job_id
-        listen_host = listen_host or os.environ.get("JAXODC_ODC_HOST", "127.0.0.1")
+        listen_host = listen_host or default_listen_host()
         ordinal = resolve_device(device, rank)
         self.accumulate = accumulate_mode(accumulate, rank, ordinal)  # checked before anything is made
         secret = secret_from_env() if secret is None else bytes(secret)
@@ -272,7 +299,7 @@ class Runtime:
             nvshmem_error = "no device" if ordinal is None or world == 1 else load_nvshmem_plugin()
             me = PeerInfo(rank, host_identity(), advertised, self._native.port, os.getpid(),
                           self._native.shm_name, self.unit_sizes, self._native.device_uuid, nvshmem_error,
-                          self._native.slot_elems)
+                          self._native.slot_elems, host_cache_wanted(host_cache))
             if world > 1:
                 raw = rendezvous.allgather(f"odc/{job_id}/peers", msgpack.packb(me.__dict__), world)
                 infos = [PeerInfo(**{**msgpack.unpackb(b), "unit_sizes": tuple(msgpack.unpackb(b)["unit_sizes"])})
@@ -282,18 +309,71 @@ class Runtime:
             check_layouts(infos)
             self.transports = [choose_transport(me, info, transport) for info in infos]
             self.nvshmem = self._join_nvshmem(infos, rendezvous)
-            self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
-                                  for i, t in zip(infos, self.transports)])
+            self.remote_ranks = [i.rank for i in infos if i.host_id != me.host_id]
+            self.host_cache = self._open_host_cache(infos, rendezvous)
+            try:
+                self._native.connect([(i.rank, TRANSPORTS[t], i.shm_name, i.address, i.port)
+                                      for i, t in zip(infos, self.transports)])
+            except PeerError as e:
+                raise PeerError(_with_hint(str(e), infos, self.transports)) from None
             if world > 1:
                 rendezvous.barrier(f"odc/{job_id}/connected", world)
             # Every peer has mapped our segment: drop its name so a crash leaves nothing behind.
             self._native.unlink_segment()
+            self._native.unlink_host_cache()
         except BaseException:
             self._native.close(collective=False)
             raise
         self._rendezvous, self._timeout_s = rendezvous, timeout_s
         self._closed = False
         _live.add(self)
+
+    def _open_host_cache(self, infos: Sequence[PeerInfo], rendezvous) -> bool:
+        """The host gather cache (see `host_cache`): a host uses it when it holds several ranks,
+        every one of them asks for it, and other hosts exist. Decided from every rank's PeerInfo,
+        so all ranks agree; the host's first rank creates it, the others open it after a barrier."""
+        hosts: dict[str, list[PeerInfo]] = {}
+        for i in infos:
+            hosts.setdefault(i.host_id, []).append(i)
+        using = {h for h, members in hosts.items()
+                 if len(hosts) > 1 and len(members) > 1 and all(m.host_cache for m in members)}
+        if not using:
+            return False
+        mine = hosts[infos[self.rank].host_id]
+        leader = min(m.rank for m in mine)
+        name = f"/jaxodc_{self.job_id}_hostcache{leader}"
+        if infos[self.rank].host_id in using and self.rank == leader:
+            self._native.create_host_cache(name, self.remote_ranks)
+        rendezvous.barrier(f"odc/{self.job_id}/host_cache", self.world)
+        if infos[self.rank].host_id not in using:
+            return False
+        if self.rank != leader:
+            self._native.open_host_cache(name)
+        return True
+
+    def remote_shard_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of every owner's pieces on other hosts than this rank's, all units: what this host
+        must receive per minibatch to gather every unit once (gathered in `itemsize`-byte elements)."""
+        total = 0
+        for u, n in enumerate(self.unit_sizes):
+            shard = self.shard_size(u)
+            total += sum(max(0, min(shard, n - r * shard)) for r in self.remote_ranks)
+        return total * itemsize
+
+    @property
+    def host_cache_bytes(self) -> int:
+        """Bytes of the host gather cache's data on this host (0 without one)."""
+        return int(self._native.host_cache_bytes)
+
+    @property
+    def gather_wire_bytes(self) -> int:
+        """Bytes of gathered pieces this rank has received over the network so far."""
+        return int(self._native.gather_wire_bytes)
+
+    @property
+    def gather_cache_hits(self) -> int:
+        """Pieces this rank read from its host's gather cache that another rank of the host fetched."""
+        return int(self._native.gather_cache_hits)
 
     def _join_nvshmem(self, infos: Sequence[PeerInfo], rendezvous) -> bool:
         """Joins the NVSHMEM job when any rank chose nvshmem for a peer: every rank able to use it
@@ -323,8 +403,9 @@ class Runtime:
           ctx: a jaxodc.launch.Context.
           **kwargs: Runtime's keyword arguments (transport, timeout_s, device, ...).
         """
+        defaults = {"secret": ctx.secret, "listen_host": getattr(ctx, "local_addr", None)}
         return cls(unit_sizes, rank=ctx.rank, world=ctx.world, rendezvous=ctx.rendezvous,
-                   job_id=ctx.job_id, **{"secret": ctx.secret, **kwargs})
+                   job_id=ctx.job_id, **{**defaults, **kwargs})
 
     @property
     def handle(self) -> int:

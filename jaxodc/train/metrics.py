@@ -45,6 +45,8 @@ class MinibatchRecord:
     straggle_s: list | None = None  # injected seconds per microbatch (StepResult's; None: no injection)
     params_sha256: str | None = None  # `jaxodc train --json`: hash of the run's final full parameters
     end_s: float | None = None  # the end of the minibatch (StepResult's): complete gradients -> published
+    transports: list | None = None  # `jaxodc train`: this rank's link to each rank ("self", "shm", "tcp", "gloo", ...)
+    gather_wire_bytes: int | None = None  # `jaxodc train`, odc: bytes of gathered pieces this rank received over the network
 
     @property
     def busy(self) -> float:
