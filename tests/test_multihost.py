@@ -127,7 +127,7 @@ def _two_hosts(c: Cluster, tmp_path, args: list[str], json_name: str) -> dict:
     return json.loads((tmp_path / json_name).read_text())
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_same_bits_as_one_host(tmp_path):
     """odc + LB-Mini, odc + LB-Steal (host gather cache on, the default) and the collective (gloo)
     in one job across 2 hosts, with the reproducible sum: each run's params_sha256 and losses equal
@@ -154,7 +154,7 @@ def test_same_bits_as_one_host(tmp_path):
     assert all(t in ("self", "shm") for r in single["odc + lb_mini"] for t in r["transports"])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_host_cache_same_bits_fewer_bytes(tmp_path):
     """odc + LB-Mini across 2 hosts with the host gather cache and without: bit-identical parameters
     (reproducible sum), and with the cache a host's ranks receive fewer gathered bytes than
