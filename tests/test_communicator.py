@@ -275,3 +275,16 @@ def test_peer_groups_reduce_and_sync_independently(svc):
         assert snap[0]["revision"] == snap[1]["revision"] == 1 and snap[0]["ring"] != snap[1]["ring"]
     finally:
         close_all(g0 + g1)
+
+
+def test_unreachable_service_says_what_to_check():
+    """A peer that cannot reach the service is told to check `jaxodc master`; across hosts, that
+    the master listens on loopback unless --host."""
+    from jaxodc.comm import MasterUnavailable
+    from jaxodc.comm.communicator import _master_hint
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(MasterUnavailable, match=rf"127\.0\.0\.1:{port}: .*`jaxodc master`"):
+        Communicator(f"127.0.0.1:{port}", secret=SECRET, timeout_s=5).connect()
+    assert "--host 0.0.0.0" in _master_hint("host0") and "--host" not in _master_hint("127.0.0.1")

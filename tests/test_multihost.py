@@ -1,7 +1,8 @@
 """Training across 2 emulated hosts x 2 ranks with the launcher's documented multi-host form and no
 environment variable (jaxodc.launch.cluster): the README's commands end rc 0 on both hosts, pairs
 on one host use shm and across hosts tcp, and with the reproducible sum every mode ends with the
-bits of the same job on one host."""
+bits of the same job on one host; DiLoCo with one site per host (docs/sites.md's commands) equals
+the single-process simulation."""
 import json
 import os
 import re
@@ -169,3 +170,37 @@ def test_host_cache_same_bits_fewer_bytes(tmp_path):
         with_cache = sum(r["gather_wire_bytes"] for r in cached if r["rank"] // 2 == h)
         without = sum(r["gather_wire_bytes"] for r in plain if r["rank"] // 2 == h)
         assert 0 < with_cache < without, (h, with_cache, without)
+
+
+@pytest.mark.timeout(900)
+def test_diloco_sites_one_per_host(tmp_path):
+    """DiLoCo (H = 2) across 2 sites, one per host (2 ranks each), with docs/sites.md's "Across
+    real hosts" commands: `jaxodc master` on host 0, each site's `jaxodc launch ... --coord
+    host0:P --site S`. Both hosts end rc 0, every site ends with the same bits, and every element
+    of the trained shards equals the single-process simulation (as tests/test_sites.py checks the
+    same job on one host)."""
+    import sites_reference as R
+    (tmp_path / "job.secret").write_bytes(os.urandom(32))
+    port = 48148
+    master = ["python", "-m", "jaxodc", "master", "--host", "0.0.0.0", "--port", str(port),
+              "--secret-file", "job.secret"]
+    train = ["--groups", "2", "--diloco", "2", "--steps", "6", *R.SMALL]
+    site = ["python", "-m", "jaxodc", "launch", "-n", "2", "--timeout", "380", "-m", "jaxodc.cli.train", *train,
+            "--coord", f"host0:{port}", "--secret-file", "job.secret", "--json", "run"]
+    with Cluster(2, gbps=1.0) as c:
+        svc = subprocess.Popen(c.command(0, master, str(tmp_path)), cwd=str(tmp_path), env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            first = svc.stdout.readline()
+            assert "listening on" in first, first + (svc.stdout.read() if svc.poll() is not None else "")
+            got = _on_hosts(c, {i: site + ["--site", str(i)] for i in (0, 1)}, str(tmp_path), timeout=400)
+        finally:
+            svc.terminate()
+            svc.communicate(timeout=30)
+    assert [got[i][0] for i in (0, 1)] == [0, 0], f"host 0:\n{got[0][1][-3000:]}\nhost 1:\n{got[1][1][-3000:]}"
+    sites = [json.loads((tmp_path / f"run.site{s}.json").read_text()) for s in (0, 1)]
+    R.same_on_every_site(sites)
+    args = R.cli_args(train)
+    R.check_shards(sites, args, R.diloco(args, False), atol=5e-5)
+    recs = [r for s in sites for r in s["records"]]
+    assert sorted({r["outer_step"] for r in recs}) == [0, 1, 2] and all(r["sites"] == 2 for r in recs)

@@ -16,8 +16,7 @@ import pytest
 import sites_reference as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--ranks", "2", "--minibatch", "2", "--max-tokens", "96", "--d-model", "32", "--layers", "1",
-         "--heads", "2", "--clip", "0", "--lr", "3e-3", "--timeout", "240"]
+SMALL = R.SMALL
 
 
 def _train(tmp_path, argv):
@@ -32,31 +31,13 @@ def _train(tmp_path, argv):
     return sites, proc.stdout
 
 
-def _check_shards(sites, args, expected, atol):
-    for site in sites:
-        for rank, got in enumerate(site["shards"]):
-            want = R.shards_of(args, expected, rank)
-            assert set(got) == set(want)
-            for unit, values in got.items():
-                np.testing.assert_allclose(np.asarray(values, np.float32), want[unit], rtol=0, atol=atol,
-                                           err_msg=f"site {site['site']} rank {rank} unit {unit}")
-
-
-def _same_on_every_site(sites):
-    for rank in range(len(sites[0]["shards"])):
-        for site in sites[1:]:
-            for unit, values in site["shards"][rank].items():
-                assert np.asarray(values).tobytes() == np.asarray(sites[0]["shards"][rank][unit]).tobytes(), \
-                    f"site {site['site']} rank {rank} unit {unit} differs from site 0"
-
-
 def test_hybrid_sharding_equals_single_group_on_the_union(tmp_path):
     """H = 1 hybrid sharding (gradient averaged across sites before the owners' Adam step)
     equals one group trained on both sites' minibatches."""
     argv = ["--groups", "2", "--hybrid", "--steps", "3", *SMALL]
     sites, _ = _train(tmp_path, argv)
-    _same_on_every_site(sites)
-    _check_shards(sites, R.cli_args(argv), R.hybrid(R.cli_args(argv)), atol=2e-5)
+    R.same_on_every_site(sites)
+    R.check_shards(sites, R.cli_args(argv), R.hybrid(R.cli_args(argv)), atol=2e-5)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -65,12 +46,12 @@ def test_diloco_across_odc_groups_equals_simulation(tmp_path, asynchronous):
     same algorithm on the same data split (async: each outer update applied one step late)."""
     argv = ["--groups", "2", "--diloco", "2", "--steps", "6", *SMALL] + (["--async"] if asynchronous else [])
     sites, out = _train(tmp_path, argv)
-    _same_on_every_site(sites)
+    R.same_on_every_site(sites)
     args = R.cli_args(argv)
-    _check_shards(sites, args, R.diloco(args, asynchronous), atol=5e-5)
+    R.check_shards(sites, args, R.diloco(args, asynchronous), atol=5e-5)
     if asynchronous:  # the simulation one step early differs: the lag is real, not absorbed by the tolerance
         with pytest.raises(AssertionError):
-            _check_shards(sites, args, R.diloco(args, False), atol=5e-5)
+            R.check_shards(sites, args, R.diloco(args, False), atol=5e-5)
     recs = [r for s in sites for r in s["records"]]
     assert sorted({r["outer_step"] for r in recs}) == [0, 1, 2]
     assert all(r["sites"] == 2 for r in recs)

@@ -95,6 +95,16 @@ class AllReduceHandle:
         return self._result
 
 
+def _master_hint(host: str) -> str:
+    """What to check when the coordination service at `host` cannot be reached."""
+    from jaxodc.launch.address import is_loopback_host
+    hint = "is `jaxodc master` (or the process hosting the service) running there?"
+    if not is_loopback_host(host):
+        hint += (f" From other hosts it must listen on an address they reach: start it with --host 0.0.0.0 or "
+                 f"--host {host} (it listens on loopback unless --host)")
+    return hint
+
+
 class Communicator:
     """One peer of a fault-tolerant group (see the module docstring for the loop every peer runs).
 
@@ -203,7 +213,8 @@ class Communicator:
             sock = socket.create_connection((host, port), timeout=self.timeout_s)
         except OSError as e:
             self.close()
-            raise MasterUnavailable(f"cannot reach the coordination service at {self.address}: {e}") from e
+            raise MasterUnavailable(f"cannot reach the coordination service at {self.address}: {e}; "
+                                    f"{_master_hint(host)}") from e
         try:
             w = P.client_handshake(sock, self.secret, {"group": self.peer_group, "ring_addr": self.ep.address,
                                                         "ss_addr": self.ss_server.address})

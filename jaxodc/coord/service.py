@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before a peer is dropped")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    from jaxodc.launch.address import is_loopback_host
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         secret = auth.read_secret_file(args.secret_file) if args.secret_file else auth.secret_from_env()
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, svc._stopped.set)
         print(f"jaxodc master listening on {svc.address}", flush=True)  # and stoppable from here on
+        if is_loopback_host(args.host):
+            print("jaxodc master: on loopback only; sites on other hosts need --host 0.0.0.0 (or this host's "
+                  "address)", file=sys.stderr, flush=True)
         await svc._stopped.wait()
         await svc.serve_stop()
 

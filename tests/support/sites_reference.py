@@ -14,6 +14,11 @@ from jaxodc.train.reference import ReferenceTrainer
 from jaxodc.optim.sites import site_minibatches
 
 
+# `jaxodc train --groups` flags of a small job (2 ranks per site) that the references replay in seconds
+SMALL = ["--ranks", "2", "--minibatch", "2", "--max-tokens", "96", "--d-model", "32", "--layers", "1",
+         "--heads", "2", "--clip", "0", "--lr", "3e-3", "--timeout", "240"]
+
+
 def cli_args(argv: list[str]):
     return parser().parse_args(argv)
 
@@ -94,3 +99,23 @@ def shards_of(args, params, rank: int) -> dict:
     """`params` cut the way rank `rank` of a site holds them (unit name -> flat shard)."""
     model, p0 = model_of(args)
     return {k: np.asarray(v) for k, v in program_of(model, p0, args.ranks).shard(params, rank).items()}
+
+
+def check_shards(sites, args, expected, atol):
+    """Every element of every site's final shards (a `PATH.siteS.json` each) against `expected`."""
+    for site in sites:
+        for rank, got in enumerate(site["shards"]):
+            want = shards_of(args, expected, rank)
+            assert set(got) == set(want)
+            for unit, values in got.items():
+                np.testing.assert_allclose(np.asarray(values, np.float32), want[unit], rtol=0, atol=atol,
+                                           err_msg=f"site {site['site']} rank {rank} unit {unit}")
+
+
+def same_on_every_site(sites):
+    """Every site ends with the bits of site 0, shard by shard."""
+    for rank in range(len(sites[0]["shards"])):
+        for site in sites[1:]:
+            for unit, values in site["shards"][rank].items():
+                assert np.asarray(values).tobytes() == np.asarray(sites[0]["shards"][rank][unit]).tobytes(), \
+                    f"site {site['site']} rank {rank} unit {unit} differs from site 0"
