@@ -158,7 +158,8 @@ def test_tiny_memory_run_reports_both_trainers(tmp_path):
 def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     out, png = tmp_path / "compress.json", tmp_path / "loss.png"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--compress", "default", "--link-mbps", "400",
-           "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--json", str(out), "--loss-png", str(png),
+           "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--max-tokens", "128", "--json", str(out),
+           "--loss-png", str(png),
            "--timeout", "150"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
