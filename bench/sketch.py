@@ -7,8 +7,11 @@ the pipeline of the three (1 / sum of 1 / gbps). Bar: pipeline >= 0.1 x memcpy.
 
 `--owner` measures instead how an ODC owner should decode the many pushes of one minibatch (every
 microbatch of every rank): peel each push as it arrives, or sum the pushes' sketches, OR their
-bitmaps and peel once. One record per (mode, pushes): decode seconds, peeled / estimated counts and
-the relative L2 error of the decoded sum against the sum of what the senders kept.
+bitmaps and peel once -- with the ratio's sketch (`summed`), or one widened to peel the union of
+the pushes' supports as the collective's reduce-scatter sizes it for its W senders (`summed_wide`:
+compress.collective.UnitExchange.width). One record per (mode, pushes): decode seconds, sketch
+width, peeled / estimated counts and the relative L2 error of the decoded sum against the sum of
+what the senders kept.
 
     python -m jaxodc bench sketch --owner --json bench/out/sketch_owner.json [--owner-mb 4] [--fraction 0.05] [--ratio 10]
 """
@@ -93,41 +96,46 @@ def owner_decode(args) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxodc.ops.sketch import sketch_build, sketch_peel, sketch_sparsify, sketch_width
+    import math
+
+    from jaxodc.ops.sketch import peel_width, sketch_build, sketch_peel, sketch_sparsify, sketch_width
 
     n = args.owner_mb * MB // 4
     width = sketch_width(n, args.ratio)
     sparsify = jax.jit(lambda g: sketch_sparsify(g, jnp.zeros_like(g), fraction=args.fraction))
-    build = jax.jit(lambda v, b: sketch_build(v, b, width=width))
+    build = jax.jit(lambda v, b, w: sketch_build(v, b, width=w), static_argnums=2)
     peel = jax.jit(lambda s, b: sketch_peel(s, b, n=n))
     records = []
     for pushes in (int(x) for x in args.pushes.split(",")):
         rng = np.random.default_rng(pushes)
-        sent = []  # (kept, bitmap, sketch) of each push: heavy-tailed gradients, like a transformer's
+        # the collective's width for `pushes` senders (UnitExchange.width)
+        wide = max(width, peel_width(min(n, pushes * math.ceil(args.fraction * n))))
+        sent = []  # (kept, bitmap, sketch, wide sketch) of each push: heavy-tailed gradients, like a transformer's
         for _ in range(pushes):
             g = jnp.asarray((rng.standard_normal(n) * rng.lognormal(0, 1, n)).astype(np.float32))
             kept, _, bits = sparsify(g)
-            sent.append((kept, bits, build(kept, bits)))
+            sent.append((kept, bits, build(kept, bits, width), build(kept, bits, wide)))
         jax.block_until_ready(sent)
-        truth = np.sum([np.asarray(k, np.float64) for k, _, _ in sent], axis=0)
+        truth = np.sum([np.asarray(k, np.float64) for k, _, _, _ in sent], axis=0)
         norm = float(np.linalg.norm(truth))
-        jax.block_until_ready(peel(sent[0][2], sent[0][1]))  # compiled before timing
-        for mode in ("per_push", "summed"):
+        jax.block_until_ready((peel(sent[0][2], sent[0][1]), peel(sent[0][3], sent[0][1])))  # compiled before timing
+        for mode in ("per_push", "summed", "summed_wide"):
             def decode():
                 if mode == "per_push":
-                    outs = [peel(s, b) for _, b, s in sent]
+                    outs = [peel(s, b) for _, b, s, _ in sent]
                     return jax.block_until_ready((sum(v for v, _ in outs), sum(c for _, c in outs)))
                 bits = sent[0][1]
-                for _, b, _ in sent[1:]:
+                for _, b, _, _ in sent[1:]:
                     bits = jnp.bitwise_or(bits, b)
-                return jax.block_until_ready(peel(sum(s for _, _, s in sent), bits))
+                return jax.block_until_ready(peel(sum(x[2 if mode == "summed" else 3] for x in sent), bits))
             t = median_time(decode, args.reps)
             values, counts = decode()
             peeled, estimated = (int(x) for x in np.asarray(counts))
             records.append({"kind": "owner_decode", "mode": mode, "pushes": pushes, "elements": n,
                             "fraction": args.fraction, "ratio": args.ratio, "seconds": t, "peeled": peeled,
+                            "width": wide if mode == "summed_wide" else width,
                             "estimated": estimated,
                             "rel_error": float(np.linalg.norm(np.asarray(values, np.float64) - truth)) / norm})
-    print_table(records, ["mode", "pushes", "seconds", "peeled", "estimated", "rel_error"])
+    print_table(records, ["mode", "pushes", "width", "seconds", "peeled", "estimated", "rel_error"])
     write_records(args.json, records)
     return 0

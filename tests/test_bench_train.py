@@ -167,7 +167,8 @@ def test_tiny_memory_run_reports_both_trainers(tmp_path):
 def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     out, png = tmp_path / "compress.json", tmp_path / "loss.png"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--compress", "default", "--link-mbps", "400",
-           "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--json", str(out), "--loss-png", str(png),
+           "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--max-tokens", "128", "--json", str(out),
+           "--loss-png", str(png),
            "--timeout", "150"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -181,7 +182,40 @@ def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
         assert (r["kept_fraction"] is None) == (r["compress"] is None)
     odc = {r["compress"]: r for r in runs if r["comm"] == "odc"}
     assert odc[None]["wire_bytes_selected"] > 4 * odc["default"]["wire_bytes_selected"]
-    assert len([r for r in rows if r["kind"] == "bar"]) == 6 and png.stat().st_size > 0
+    assert len([r for r in rows if r["kind"] == "bar"]) == 8 and png.stat().st_size > 0
+    (cfg,) = [r for r in rows if r["kind"] == "config"]
+    assert cfg["workload"]["minibatches"] == 3 and cfg["workload"]["max_tokens"] == 128
+    assert cfg["config"]["d_model"] == 128 and cfg["workload"]["params"] > cfg["workload"]["selected_elems"] > 0
+
+
+def test_compress_has_its_own_workload_and_wire_share():
+    """--compress resolves its own model and lengths (explicit options still win); the ODC rows' wire
+    share is the slowest rank's gathered + pushed bytes at the link's rate over the minibatch span."""
+    from jaxodc.bench import train_compress as tc
+    from jaxodc.bench.train import COMPRESS_WORKLOAD, WORKLOAD, _args
+    plain, comp = _args([]), _args(["--compress", "default", "--layers", "1"])
+    assert {k: getattr(plain, k) for k in WORKLOAD} == WORKLOAD
+    assert (comp.d_model, comp.layers, comp.max_tokens) == (COMPRESS_WORKLOAD["d_model"], 1,
+                                                           COMPRESS_WORKLOAD["max_tokens"])
+    args = _args(["--compress", "default", "--link-mbps", "8", "--compress-steps", "12"])  # 1 MB/s
+    recs = []
+    for name in ("odc+lb_mini", "odc+lb_mini compressed", "collective+lb_micro", "collective+lb_micro compressed"):
+        push = 100_000 if name == "odc+lb_mini" else 40_000
+        for step in range(12):
+            for rank in (0, 1):  # rank 1: 2 microbatches, 2 s span per minibatch
+                recs.append({"run": name, "step": step, "rank": rank, "t_start": 10.0 * step, "t_end": 10.0 * step + 2,
+                             "samples": 4, "loss": 3.0 - 0.1 * step, "wire_bytes": push, "wire_bytes_selected": push // 2,
+                             "kept_fraction": None if "compressed" not in name else 0.05, "peeled": 7, "estimated": 0,
+                             "n_micro": 1 + rank})
+    rows, bars = tc.summarize({"records": recs, "gather_bytes_per_microbatch": 500_000}, args)
+    odc = {r["compress"]: r for r in rows if r["comm"] == "odc"}
+    assert odc[None]["wire_share"] == pytest.approx((2 * 500_000 + 100_000) / 1e6 / 2)
+    assert odc[None]["gather_bytes"] == 3 * 500_000 and odc["default"]["wire_share"] < odc[None]["wire_share"]
+    assert all(r["wire_share"] is None and r["gather_bytes"] is None for r in rows if r["comm"] == "collective")
+    got = {b["bar"]: b for b in bars}
+    assert got["odc dense / compressed bytes on the wire (gathers + gradients)"]["value"] == pytest.approx(
+        (1_500_000 + 200_000) / (1_500_000 + 80_000))
+    assert got["collective |final loss compressed / dense - 1|"]["pass"] is True  # barred for both comms
 
 
 def test_straggle_predict_orders_its_bounds():

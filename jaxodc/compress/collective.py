@@ -8,8 +8,8 @@ rest travel densely. Per call, on every rank:
 - dense: each owner's dense elements, stacked (padded to the largest owner's count), psum_scatter;
 - compressed, per owner slice d: acc = ct[sel_d] + residual_d, exact top-`fraction` selection
   (`sketch_sparsify`: residual_d <- acc - kept), the kept positions as a bitmap and a count sketch
-  of the kept values (width `sketch_width(max_d n_d, ratio)`, the same for every slice so they
-  stack). The bitmaps go to their owner (all_to_all) and are combined there by a true bitwise OR;
+  of the kept values (the same width for every slice so they stack: `UnitExchange.width`, wide
+  enough to peel the union of the W senders' supports, not only one sender's). The bitmaps go to their owner (all_to_all) and are combined there by a true bitwise OR;
   the sketches are summed by psum_scatter (count sketches are additive). The owner peels the summed
   sketch over the OR'ed bitmap and places the decoded sums at its own sel positions.
 
@@ -20,6 +20,7 @@ so its placement is a `lax.switch` over static slices rather than an index table
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc.compress.policy import CompressionPlan
-from jaxodc.ops.sketch import ROWS, bitmap_words, sketch_build, sketch_peel, sketch_sparsify, sketch_width
+from jaxodc.ops.sketch import (ROWS, bitmap_words, peel_width, sketch_build, sketch_peel, sketch_sparsify,
+                               sketch_width)
 
 if TYPE_CHECKING:  # the trainers' layouts, only described here: compress sits below train
     from jaxodc.modeling.units import UnitSpec
@@ -68,6 +70,7 @@ class UnitExchange:
     fraction: float
     ratio: float
     seed: int
+    union: bool = True  # widen the sketch to peel the union of every sender's support (`width`)
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -88,7 +91,18 @@ class UnitExchange:
 
     @property
     def width(self) -> int:
-        return sketch_width(self.n_max, self.ratio) if self.n_max else 0
+        """Buckets per row: the ratio's width, widened (with `union`) to peel the summed sketch.
+        The owner peels the sum of W senders' sketches, whose supports' union holds up to W x the
+        kept count; a sketch sized by the ratio for one sender's support (ratio 10 holds 2 x 5% of a
+        slice at 1.0 bucket per element, below the 1.22 peeling threshold) leaves most of the union
+        to the median estimate (bench/RESULTS.md, TAGC)."""
+        if not self.n_max:
+            return 0
+        width = sketch_width(self.n_max, self.ratio)
+        if self.union:
+            kept = math.ceil(self.fraction * self.n_max)  # sketch_sparsify's k (at least one)
+            width = max(width, peel_width(min(self.n_max, self.world * max(1, kept))))
+        return width
 
     @property
     def residual_size(self) -> int:
@@ -112,8 +126,10 @@ def _ranges(unit: str, pieces, numel: int) -> list[tuple[int, int]]:
     return out
 
 
-def unit_exchange(spec: UnitSpec, plan: CompressionPlan) -> UnitExchange:
-    """The exchange of unit `spec` under `plan`: its compressed pieces cut at the owner slices."""
+def unit_exchange(spec: UnitSpec, plan: CompressionPlan, *, union: bool = True) -> UnitExchange:
+    """The exchange of unit `spec` under `plan`: its compressed pieces cut at the owner slices.
+    `union=False` keeps the ratio's sketch width even where the summed supports cannot peel (tests
+    of the median estimate)."""
     if not plan.ratio > 0 or not 0 < plan.fraction <= 1:
         raise ValueError(f"unit {spec.name!r}: compression needs 0 < fraction <= 1 and ratio > 0, "
                          f"got fraction={plan.fraction}, ratio={plan.ratio}")
@@ -123,7 +139,7 @@ def unit_exchange(spec: UnitSpec, plan: CompressionPlan) -> UnitExchange:
     # per_leaf, its padding left out).
     per_owner = [tuple(r for lo, hi in ranges for r in spec.local_ranges(d, lo, hi)) for d in range(spec.world)]
     return UnitExchange(spec.name, spec.world, S, tuple(per_owner), float(plan.fraction), float(plan.ratio),
-                        int(plan.seed))
+                        int(plan.seed), bool(union))
 
 
 def _split(x: jax.Array, selected: tuple[tuple[int, int], ...], size: int) -> tuple[jax.Array, jax.Array]:

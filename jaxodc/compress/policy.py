@@ -11,6 +11,10 @@ and sent as an index bitmap + count sketch; attention, norms, biases and small l
   (3 rows x width buckets = n / ratio); the bitmap adds n / 8 bytes. Peeling recovers every kept
   value while the sketch's 3 * width buckets are about 1.23 x the kept count or more (the 3-row
   peeling threshold): ratio <= about 0.8 / fraction. Above that, what does not peel is estimated.
+  ODC's owner peels every push alone, so this is the sketch it sends. The collective sums W
+  senders' sketches before peeling: there the sketch is widened to peel the union of their
+  supports, up to W x the kept count (compress.collective.UnitExchange.width), and the ratio is a
+  floor on its width.
 
 `Compression.plan(layout)` resolves the predicate against a trainer's unit layout into a
 `CompressionPlan`: per unit, the (offset, size) pieces of its flat vector that travel compressed.
