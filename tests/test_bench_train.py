@@ -13,16 +13,17 @@ MBS = (1, 2, 4, 8)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_tiny_run_has_every_combo_and_minibatch(tmp_path):
     from jaxodc.bench.train import COMBOS, sum_comm
     combos = COMBOS + ((sum_comm("exact"), "lb_mini"),)  # --compare-sum: the default fp32 sum against exact
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--json", str(out), "--d-model", "16", "--layers", "1",
            "--heads", "2", "--max-tokens", "32", "--min-bucket", "32", "--reps", "1", "--block-samples", "1",
-           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--compare-sum", "--timeout", "150",
+           "--calib-reps", "1", "--pool", "32", "--straggle", "default", "--compare-sum", "--timeout", "400",
            "--minibatch", ",".join(map(str, MBS)), "--combos", ",".join(f"{c}+{b}" for c, b in COMBOS)]
     env = {k: v for k, v in os.environ.items() if k != "JAXODC_ODC_ACCUMULATE"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
     injected = [r for r in records if r["kind"] == "train" and r["straggle"]]
@@ -151,11 +152,12 @@ def test_activation_bytes_scale_with_tokens():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_tiny_memory_run_reports_both_trainers(tmp_path):
     out = tmp_path / "memory.json"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--memory", "--memory-ranks", "2", "--memory-d-model", "64",
-           "--memory-layers", "2", "--memory-steps", "1", "--json", str(out), "--timeout", "150"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+           "--memory-layers", "2", "--memory-steps", "1", "--json", str(out), "--timeout", "400"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert sorted((r["comm"], r["ranks"]) for r in rows) == [("collective", 2), ("odc", 2)]
@@ -164,13 +166,14 @@ def test_tiny_memory_run_reports_both_trainers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_tiny_compress_run_records_every_run_and_bar(tmp_path):
     out, png = tmp_path / "compress.json", tmp_path / "loss.png"
     cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--compress", "default", "--link-mbps", "400",
            "--compress-steps", "3", "--d-model", "128", "--layers", "1", "--max-tokens", "128", "--json", str(out),
            "--loss-png", str(png),
-           "--timeout", "150"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+           "--timeout", "400"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     runs = [r for r in rows if r["kind"] == "train"]
@@ -281,6 +284,7 @@ TASK_ARGS = ["--d-model", "16", "--layers", "1", "--heads", "2", "--max-tokens",
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("task", ["sft", "grpo"])
 def test_tiny_task_run_trains_the_generated_checkpoint(tmp_path, task):
     """--task: every combo trains the generated HF checkpoint (each rank reading its own ranges)
@@ -292,8 +296,8 @@ def test_tiny_task_run_trains_the_generated_checkpoint(tmp_path, task):
     from jaxodc.modeling.hf_load import load_hf
     from jaxodc.modeling.rl import GRPO
     out = tmp_path / "train.json"
-    cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--task", task, "--json", str(out), "--timeout", "150"]
-    proc = subprocess.run(cmd + TASK_ARGS, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    cmd = [sys.executable, "-m", "jaxodc", "bench", "train", "--task", task, "--json", str(out), "--timeout", "400"]
+    proc = subprocess.run(cmd + TASK_ARGS, cwd=ROOT, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
     train = [r for r in records if r["kind"] == "train"]
