@@ -178,6 +178,7 @@ def trainers_body(ctx):
     return out
 
 
+@pytest.mark.timeout(900)  # 250 s on a quiet 2-core runner: 3 ranks compile every chain's programs
 @pytest.mark.parametrize("world", [3])  # 3: uneven pieces (2 ranks is the placement table's and the trainers' tests')
 def test_end_of_minibatch_matches_reference(world):
     import jax

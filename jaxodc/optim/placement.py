@@ -413,10 +413,10 @@ class PlacedOptimizer:
         return [i is not None for i in self.state_param]
 
     @property
-    def state_units(self) -> list[str | None]:
-        """Per state leaf: the unit its piece lies in when it lies in one, else None (shared)."""
-        return [self.tree.places[i].units[0] if i is not None and len(self.tree.places[i].units) == 1 else None
-                for i in self.state_param]
+    def state_spans(self) -> list[tuple[str, ...]]:
+        """Per state leaf: the units its piece lies in (several beside a scan-stacked parameter;
+        none for a replicated leaf)."""
+        return [tuple(self.tree.places[i].units) if i is not None else () for i in self.state_param]
 
     def held(self, leaves: Sequence, rank: int) -> list:
         """State leaves (host arrays, tree order) of rank `rank` with each piece's padding rows of a

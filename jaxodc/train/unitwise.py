@@ -60,10 +60,13 @@ def memory_schedule() -> dict | None:
     return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
-def _state_units(optimizer, paths, names: frozenset) -> list[str | None]:
-    """The unit of each state leaf: as a placed optimizer (optim.placement) says, else by path."""
-    units = getattr(optimizer, "state_units", None)
-    return list(units) if units is not None else [_unit_of(p, names) for p, _ in paths]
+def _state_spans(optimizer, paths, names: Sequence[str]) -> list[tuple[str, ...]]:
+    """The units each state leaf's piece lies in: as a placed optimizer (optim.placement) says,
+    else by path; () for shared leaves (counts), several beside a scan-stacked parameter."""
+    spans = getattr(optimizer, "state_spans", None)
+    if spans is None:
+        spans = [(u,) if (u := _unit_of(p, frozenset(names))) is not None else () for p, _ in paths]
+    return [tuple(s) for s in spans]
 
 
 def _unit_of(path, names: frozenset) -> str | None:
@@ -96,7 +99,10 @@ class UnitwiseOptimizer:
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        self._state_unit = _state_units(optimizer, paths, names)
+        # A leaf spanning several units is shared here: the first call computes it from
+        # untouched inputs, and later calls read its old value.
+        self._state_span = _state_spans(optimizer, paths, self.names)
+        self._state_unit = [s[0] if len(s) == 1 else None for s in self._state_span]
 
         def update(shards, state_leaves, grads, v):
             state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
@@ -110,7 +116,7 @@ class UnitwiseOptimizer:
             step, donate_argnums=(0,), compiler_options=memory_schedule()))
         closed, out_shape = jax.make_jaxpr(update, axis_env=axis_env, return_shape=True)(*args)
         flat_names = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]]
-        tags = ([("shard", n) for n in flat_names] + [("state", u) for u in self._state_unit]
+        tags = ([("shard", n) for n in flat_names] + [("state", i) for i in range(len(paths))]
                 + [("grad", n) for n in flat_names] + [("version", None)])
         deps = output_deps(closed.jaxpr, [frozenset([t]) for t in tags])
         upd_paths = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
@@ -118,7 +124,7 @@ class UnitwiseOptimizer:
         if len(upd_paths) != len(self.names) or set(upd_paths) != set(self.names) or len(out_shape[1]) != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
         else:
-            self.reason = _separability(deps, upd_paths, self._state_unit)
+            self.reason = _separability(deps, upd_paths, self._state_unit, self._state_span)
         self.separable = self.reason is None
         self._steps = {}
 
@@ -174,16 +180,21 @@ class UnitwiseOptimizer:
         return jax.tree_util.tree_unflatten(self._state_def, leaves)
 
 
-def _separability(deps, upd_units: Sequence[str], state_units: Sequence[str | None]) -> str | None:
-    """Why the outputs (the updates, one per unit, then the state leaves) cannot run per unit, or
-    None: each unit's outputs may depend on its own shard and state, shared state and anything
-    global (gradients, fed values), never another unit's shard or state."""
+def _separability(deps, upd_units: Sequence[str], state_units: Sequence[str | None],
+                  state_spans: Sequence[tuple[str, ...]]) -> str | None:
+    """Why the outputs (the updates, one per unit, then the state leaves; `state_units`: the unit
+    writing each, None for shared) cannot run per unit, or None: each unit's outputs may depend on
+    its own shard, the state leaves it lies in (its own; those spanning it, unchanged until their
+    writer, the last of them, runs), shared state and anything global (gradients, fed values),
+    never another unit's shard or state."""
     n_upd = len(upd_units)
     for i, d in enumerate(deps):
         unit = upd_units[i] if i < n_upd else state_units[i - n_upd]
         if unit is None:
             continue  # shared state: computed in the first unit's part, from untouched inputs
-        bad = sorted(f"{k} {u}" for k, u in d if k in ("shard", "state") and u not in (unit, None))
+        bad = sorted({f"shard {x}" for k, x in d if k == "shard" and x != unit}
+                     | {f"state of {'+'.join(state_spans[x])}" for k, x in d if k == "state"
+                        and state_units[x] is not None and unit not in state_spans[x]})
         if bad:
             what = f"unit {unit!r}'s " + ("updates" if i < n_upd else "state")
             return f"{what} depend on other units' parameters or state ({', '.join(bad[:4])})"
@@ -234,7 +245,10 @@ class EndStep:
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        self._state_unit = _state_units(optimizer, paths, names)
+        # A leaf spanning several units (beside a scan-stacked parameter) is read by each of them
+        # and written by the last, in place: never read after it changed.
+        self._state_span = _state_spans(optimizer, paths, self.names)
+        self._state_unit = [max(s, key=self.names.index) if s else None for s in self._state_span]
         self._store, self._token = store, token
         sh, leaves = spec(shards), [x for _, x in paths]
         # The sites: the hook's calls while the update is traced.
@@ -247,7 +261,7 @@ class EndStep:
         red = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in found]
         closed, out_shape = jax.make_jaxpr(self._update, return_shape=True)(sh, leaves, sh, red)
         flat_names = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(sh)[0]]
-        tags = ([("shard", n) for n in flat_names] + [("state", u) for u in self._state_unit]
+        tags = ([("shard", n) for n in flat_names] + [("state", i) for i in range(len(paths))]
                 + [("grad", n) for n in flat_names] + [("reduced", i) for i in range(len(red))])
         deps = output_deps(closed.jaxpr, [frozenset([t]) for t in tags])
         n_upd, n_state = len(jax.tree_util.tree_leaves(out_shape[0])), len(out_shape[1])
@@ -267,7 +281,7 @@ class EndStep:
         if len(upd_units) != len(self.names) or set(upd_units) != names or n_state != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
         else:
-            self.reason = _separability(deps[:n_upd + n_state], upd_units, self._state_unit)
+            self.reason = _separability(deps[:n_upd + n_state], upd_units, self._state_unit, self._state_span)
         self.separable = self.reason is None
         self._partials = {}
         self._apply = jax.jit(self._apply_fn, donate_argnums=(1,) if store is not None else (0, 1),
