@@ -222,10 +222,12 @@ SWEEP_BLOCKS = {
 }
 
 
-def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int) -> dict:
+def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int, tables_out: str | None = None) -> dict:
     """Per head size and dot mode: the fastest tiling's fwd+bwd on one T-token sample, then, with
     it, the longest sample length (T, T/2, ... 128) up to which Pallas fwd+bwd <= dense on rows of
     such samples (inf: never slower; 0: slower even at 128)."""
+    import json
+
     import jax
 
     from jaxodc.ops import attention_policy as ap
@@ -261,6 +263,9 @@ def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int) -> dic
                     break
                 crossover = s
             out["crossover"].append([gen, Dp, mode, float("inf") if crossover == max(lens) else crossover])
+            if tables_out:  # after each head size and mode: a step that times out keeps what it found
+                with open(tables_out, "w") as f:
+                    json.dump(out, f, indent=1)
             print(f"# Dh={Dh} {dtype} ({mode}) on {kind}: best {best} {t[best] * 1e3:.2f} ms; pallas <= dense at "
                   f"{sorted(s for s in lens if wins[s])}", flush=True)
     day = time.strftime("%Y-%m-%d")
@@ -312,17 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         print_table(records, ["T", "samples", "sample_len", "impl", "median_ms", "min_ms", "cpu_ms", "kernel_over_dense",
                               "isa"])
         return 0
-    import json
-
     import jax
 
     from jaxodc.ops import attention_policy as ap
     T, H, reps, dtypes = int(a.T or 8192), a.H or 8, a.reps or 10, a.dtypes.split(",")
     if a.sweep:
-        found = sweep(T, H, [int(h) for h in a.heads.split(",")], dtypes, reps)
-        if a.tables_out:
-            with open(a.tables_out, "w") as f:
-                json.dump(found, f, indent=1)
+        sweep(T, H, [int(h) for h in a.heads.split(",")], dtypes, reps, a.tables_out)
         return 0
     if a.tables:
         load_tables(a.tables)
