@@ -55,7 +55,7 @@ def _fwd_bwd(impl, isa=0, precision=None, **kw):
 UNIT = {"bf16": 2.0 ** -9, "tf32": 2.0 ** -10, "bf16x3": 2.0 ** -16, "fp32": 2.0 ** -24}
 
 
-def assert_close_in_mode(got, want, mode, names=("o", "dq", "dk", "dv")):
+def assert_close_in_mode(got, want, mode, names=("o", "dq", "dk", "dv"), visible=True):
     """Every element within 16 u of the tensor's largest element of the fp32 reference, u = the
     mode's unit roundoff. Why 16: the longest chain, dq = (p * (do v^T - delta)) k, passes three
     rounded products after exp2 has scaled the score's error by |s| (a few units here); the errors
@@ -66,7 +66,7 @@ def assert_close_in_mode(got, want, mode, names=("o", "dq", "dk", "dv")):
         scale, u = np.abs(w).max(), UNIT[mode]
         err = np.abs(g - w)
         assert err.max() <= 16 * u * scale, f"{name} ({mode}): max error {err.max() / scale:.2e} x max|ref| > 16 u"
-        if mode in ("bf16", "tf32"):
+        if visible and mode in ("bf16", "tf32"):
             assert err.max() > u / 16 * scale, f"{name} ({mode}): error {err.max() / scale:.1e} too small: not rounded?"
 
 
