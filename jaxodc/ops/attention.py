@@ -142,10 +142,6 @@ _pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 # differentiable branches would make the CPU branch carry zeros for the dense branch's [B, H, T, T]
 # residuals. The dense backward therefore recomputes its forward. `gpu` is choose_impl's pick for
 # CUDA, made from static shapes before tracing.
-def _dense_fwd(q, k, v, segment_ids, mode):
-    return _dense(q, k, v, segment_ids, mode)
-
-
 def _dense_bwd(q, k, v, segment_ids, o, lse, do, mode):
     _, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, segment_ids, mode)[0], q, k, v)
     return vjp(do)
@@ -162,10 +158,10 @@ def _auto(q, k, v, segment_ids, mode, blocks, gpu):
 
 def _auto_fwd(q, k, v, segment_ids, mode, blocks, gpu):
     cuda = (functools.partial(attention_pallas.forward, interpret=False, mode=mode, blocks=blocks) if gpu == "pallas"
-            else functools.partial(_dense_fwd, mode=mode))
+            else functools.partial(_dense, mode=mode))
     o, lse = jax.lax.platform_dependent(
         q, k, v, segment_ids, cpu=lambda *a: _kernel_fwd_call(*_f32(*a), 0), cuda=cuda,
-        default=functools.partial(_dense_fwd, mode=mode))
+        default=functools.partial(_dense, mode=mode))
     return o, (q, k, v, segment_ids, o, lse)
 
 
