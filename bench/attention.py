@@ -38,6 +38,7 @@ if not GPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -127,8 +128,10 @@ def _timed(variants: dict, reps: int) -> dict:
     return {key: statistics.median(t) for key, t in times.items()}
 
 
+@functools.lru_cache(maxsize=None)  # one compile per variant and shape, not per row layout
 def _attention_fns(impl: str, n: int, longest=None, blocks=None):
-    """(forward, fwd+bwd) jitted for one implementation; cudnn sees the row's n samples as a batch."""
+    """(forward, fwd+bwd) jitted for one implementation; cudnn sees the row's n samples as a batch
+    (the other implementations ignore n: pass 1 so rows of any layout share the compile)."""
     import jax
     import jax.numpy as jnp
 
@@ -171,7 +174,8 @@ def run_gpu(T: int, samples: list[int], dtypes: list[str], B: int, H: int, Dh: i
         for n in samples:
             q, k, v, seg, do = _row(T, n, B, H, Dh, dtype)
             impls = ["pallas", "dense", "auto"] + (["cudnn"] if dtype == "bf16" else [])
-            fns = {impl: _attention_fns(impl, n, longest=T // n) for impl in impls}
+            fns = {impl: _attention_fns(impl, n if impl == "cudnn" else 1, longest=T // n if impl == "auto" else None)
+                   for impl in impls}
             fwd = _timed({impl: (lambda f=f: f[0](q, k, v, seg)) for impl, f in fns.items()}, reps)
             fb = _timed({impl: (lambda f=f: f[1](q, k, v, seg, do)) for impl, f in fns.items()}, reps)
             flops = ap.useful_flops([T // n] * n, H, Dh, backward=True) * B
