@@ -233,6 +233,7 @@ def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int, tables
     import json
 
     import jax
+    import jax.numpy as jnp
 
     from jaxodc.ops import attention_policy as ap
     kind = jax.devices()[0].device_kind
@@ -254,6 +255,13 @@ def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int, tables
             out["blocks"].append([gen, Dp, mode, list(best), t[best]])
             lens = [s for s in (T >> i for i in range(8)) if s >= 128]
             fb = {impl: _attention_fns(impl, 1, blocks=best)[1] for impl in ("pallas", "dense")}
+            # The winner's gradients against dense's in the same mode (max |diff| / max |dense|),
+            # for whoever pastes the entry: tests/test_attention.py allows 16 unit roundoffs.
+            got, ref = fns[best](q, k, v, seg, do), fb["dense"](q, k, v, seg, do)
+            err = max(float(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32)).max()
+                            / jnp.abs(r.astype(jnp.float32)).max()) for g, r in zip(got, ref))
+            out["records"].append({"kind": "check", "Dh": Dh, "dtype": dtype, "mode": mode, "blocks": list(best),
+                                   "grad_err_vs_dense": err})
             wins = {}
             for s in lens:
                 seg_s = jax.device_put(np.repeat(np.arange(1, T // s + 1, dtype=np.int32), s)[None])
@@ -270,7 +278,8 @@ def sweep(T: int, H: int, heads: list[int], dtypes: list[str], reps: int, tables
             if tables_out:  # after each head size and mode: a step that times out keeps what it found
                 with open(tables_out, "w") as f:
                     json.dump(out, f, indent=1)
-            print(f"# Dh={Dh} {dtype} ({mode}) on {kind}: best {best} {t[best] * 1e3:.2f} ms; pallas <= dense at "
+            print(f"# Dh={Dh} {dtype} ({mode}) on {kind}: best {best} {t[best] * 1e3:.2f} ms (gradients vs dense: "
+                  f"{err:.1e} of max); pallas <= dense at "
                   f"{sorted(s for s in lens if wins[s])}", flush=True)
     day = time.strftime("%Y-%m-%d")
     print(f"# attention_policy entries, swept on {kind} {day} (T={T}, H={H}, bench/attention.py --gpu --sweep):")

@@ -61,6 +61,8 @@ def test_sweep_tables_round_trip(tmp_path):
     assert len(timed) == 6 and all(t > 0 for t in timed.values())
     [[gen, Dp, mode, best, sec]] = found["blocks"]
     assert (gen, Dp, mode) == ("*", 16, "bf16") and tuple(best) == min(timed, key=timed.get) and sec == min(timed.values())
+    [check] = [r for r in found["records"] if r["kind"] == "check"]  # the winner's gradients vs dense, bf16 dots
+    assert check["blocks"] == best and 0 < check["grad_err_vs_dense"] <= 16 * 2.0 ** -9
     cross = {r["sample_len"]: r["pallas_s"] <= r["dense_s"] for r in found["records"] if r["kind"] == "crossover"}
     assert sorted(cross) == [128, 256]
     [[_, _, _, c]] = found["crossover"]
