@@ -18,7 +18,7 @@ from jaxodc.ops.attention import _segment_attention
 from test_attention import _data, assert_close_in_mode
 
 pytestmark = pytest.mark.gpu
-GPU = gpu_devices_or_skip()[0]
+GPU = gpu_devices_or_skip(cuda_build=False)[0]  # Pallas + the CPU kernel: no CUDA handlers needed
 CPU = jax.devices("cpu")[0]
 
 
