@@ -1,6 +1,7 @@
 """segment_attention: the variable-length CPU kernel (every instruction set this CPU runs) against
 the dense masked reference, the dense reference against a float64 numpy loop, and the GPU's Pallas
-flash kernel (in Pallas interpret mode here) against the CPU kernel."""
+flash kernel (in Pallas interpret mode here) against the CPU kernel, in full fp32 and in each
+reduced-precision dot mode (tests/test_attention_policy.py: the modes, blocks and choice rule)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 
 from jaxodc import _C
 from jaxodc.ops import segment_attention
-from jaxodc.ops import attention_pallas
+from jaxodc.ops import attention_pallas, attention_policy
 from jaxodc.ops.attention import ISAS, _segment_attention
+from jaxodc.ops.attention_policy import Blocks
 from jaxodc.balance.packing import pack
 from jaxodc.models.lm import LM, LMConfig
 
@@ -39,11 +41,33 @@ def _data(seed, B, T, H, Dh, kinds):
     return q, k, v, _layout(rng, kinds, T), do
 
 
-def _fwd_bwd(impl, isa=0):
+def _fwd_bwd(impl, isa=0, precision=None, **kw):
     def f(q, k, v, seg, do):
-        o, vjp = jax.vjp(lambda q, k, v: _segment_attention(q, k, v, seg, impl=impl, isa=isa), q, k, v)
+        o, vjp = jax.vjp(lambda q, k, v: _segment_attention(q, k, v, seg, impl=impl, isa=isa, precision=precision,
+                                                            **kw), q, k, v)
         return (o, *vjp(do))
     return jax.jit(f)
+
+
+# Unit roundoff of the dots' operands per dot mode: bf16 keeps 8 significant bits (round to
+# nearest: 2^-9), TF32 11 bits (truncated, the worse of the ways a tensor core may read fp32:
+# 2^-10), bf16x3 about 16 (hi + lo; the dropped lo * lo term is ~2^-18), fp32 24.
+UNIT = {"bf16": 2.0 ** -9, "tf32": 2.0 ** -10, "bf16x3": 2.0 ** -16, "fp32": 2.0 ** -24}
+
+
+def assert_close_in_mode(got, want, mode, names=("o", "dq", "dk", "dv"), visible=True):
+    """Every element within 16 u of the tensor's largest element of the fp32 reference, u = the
+    mode's unit roundoff. Why 16: the longest chain, dq = (p * (do v^T - delta)) k, passes three
+    rounded products after exp2 has scaled the score's error by |s| (a few units here); the errors
+    measured on these shapes are 1-4 u. And the error must be visible (> u / 16 for reduced modes):
+    a kernel that silently kept fp32 dots would fail."""
+    for name, g, w in zip(names, got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale, u = np.abs(w).max(), UNIT[mode]
+        err = np.abs(g - w)
+        assert err.max() <= 16 * u * scale, f"{name} ({mode}): max error {err.max() / scale:.2e} x max|ref| > 16 u"
+        if visible and mode in ("bf16", "tf32"):
+            assert err.max() > u / 16 * scale, f"{name} ({mode}): error {err.max() / scale:.1e} too small: not rounded?"
 
 
 def _numpy_reference(q, k, v, seg):
@@ -116,38 +140,85 @@ def test_pallas_kernel_in_interpret_mode_matches_cpu_kernel(Dh, T, H, kinds):
         seg[0, 20:120] = 99  # one sample across three forward and four backward blocks
     want = [np.asarray(x) for x in _fwd_bwd("kernel")(q, k, v, seg, do)]
     assert (want[0] != 0).all() and all(np.abs(g).max() > 0.1 for g in want[1:])
-    got = _fwd_bwd("pallas")(q, k, v, seg, do)
+    got = _fwd_bwd("pallas", precision="highest")(q, k, v, seg, do)
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=5e-6, err_msg=name)
     # The log-sum-exp it saves for the backward is the dense reference's.
     from jaxodc.ops.attention import _dense
-    lse = jax.jit(lambda *a: attention_pallas.forward(*a, interpret=True)[1])(q, k, v, seg)
+    blocks = attention_policy.blocks_for(attention_policy.padded_head(Dh), "fp32", None)
+    lse = jax.jit(lambda *a: attention_pallas.forward(*a, interpret=True, mode="fp32", blocks=blocks)[1])(q, k, v, seg)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(_dense(q, k, v, seg)[1]), rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_kernel_bfloat16_and_padding():
+# The reduced-precision dot modes, interpreted (TF32's rounding emulated), against the fp32 CPU
+# kernel: one row with a sample across several blocks, one with padding; one case with unequal,
+# non-default blocks (what a sweep entry may hold).
+@pytest.mark.parametrize("mode,dtype,blocks", [("tf32", "float32", None), ("bf16", "float32", None),
+                                               ("bf16", "bfloat16", None), ("bf16x3", "float32", Blocks(32, 16, 16))])
+def test_pallas_dot_modes_in_interpret_mode_match_cpu_kernel(mode, dtype, blocks):
+    q, k, v, seg, do = _data(21, 2, 100, 2, 16, ["mixed", "padded"])
+    seg[0, 10:80] = 77  # one sample across two forward blocks (three with 32-token ones)
+    if dtype == "bfloat16":  # the reference computes in fp32 from the same bf16 values
+        q, k, v, do = (np.asarray(jnp.asarray(x, jnp.bfloat16)) for x in (q, k, v, do))
+    want = _fwd_bwd("kernel")(*(np.asarray(x, np.float32) for x in (q, k, v)), seg, np.asarray(do, np.float32))
+    assert all(np.abs(np.asarray(w)).max() > 0.1 for w in want)
+    # precision None is the dtype's default mode: TF32 for fp32 inputs, bf16 for bf16 inputs.
+    default = {"float32": "tf32", "bfloat16": "bf16"}[dtype]
+    got = _fwd_bwd("pallas", precision=None if mode == default else mode, blocks=blocks)(q, k, v, seg, do)
+    assert all(g.dtype == jnp.dtype(dtype) for g in got)
+    assert_close_in_mode(got, want, mode)
+
+
+def test_pallas_kernel_bfloat16_padding_sees_itself():
     q, k, v, seg, do = _data(12, 1, 40, 2, 16, ["padded"])
     seg[0, 30:] = 0
     qb, kb, vb, dob = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
-    got, want = _fwd_bwd("pallas")(qb, kb, vb, seg, dob), _fwd_bwd("kernel")(qb, kb, vb, seg, dob)
-    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
-        assert g.dtype == jnp.bfloat16, name
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-3,
-                                   err_msg=name)
-    o = np.asarray(got[0], np.float32)
+    o = np.asarray(_fwd_bwd("pallas")(qb, kb, vb, seg, dob)[0], np.float32)  # bf16 dots
     np.testing.assert_array_equal(o[0, 30:], np.asarray(vb, np.float32)[0, 30:])  # padding sees itself only
 
 
-def test_auto_lowers_to_the_triton_kernels_for_cuda():
+def test_dense_follows_the_dot_mode():
+    """XLA's dense path with bf16 dots (operands rounded) against the fp32 CPU kernel; in fp32
+    ("highest") equal to it up to summation order."""
+    q, k, v, seg, do = _data(22, 2, 60, 2, 16, ["mixed", "padded"])
+    want = _fwd_bwd("kernel")(q, k, v, seg, do)
+    assert_close_in_mode(_fwd_bwd("dense", precision="bf16")(q, k, v, seg, do), want, "bf16")
+    for g, w in zip(_fwd_bwd("dense", precision="highest")(q, k, v, seg, do), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=5e-6)
+
+
+_H200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+
+def _lowered_for_h200(impl, q, k, v, seg, do, **kw):
+    with jax.sharding.use_abstract_mesh(_H200):
+        return _fwd_bwd(impl, **kw).trace(q, k, v, seg, do).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("precision", attention_policy.MODES)
+def test_pallas_lowers_to_triton_in_every_dot_mode(precision):
     """Lowered for an H200 from this CPU-only machine (Pallas lowers to Triton here; PTX is made on
-    the GPU): "auto" is the two Triton kernels there, no [T, T] score matrix, no CPU kernel."""
+    the GPU): two Triton kernels, for fp32 and bf16 inputs, no [T, T] score matrix."""
     q, k, v, seg, do = _data(13, 2, 333, 2, 24, ["mixed", "padded"])
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = _fwd_bwd("auto").trace(q, k, v, seg, do).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "one forward and one backward Triton kernel"
-    assert "jaxodc_varlen_attention" not in text and "333x333" not in text
+    for dt in (jnp.float32, jnp.bfloat16):
+        text = _lowered_for_h200("pallas", *(jnp.asarray(x, dt) for x in (q, k, v)), seg, jnp.asarray(do, dt),
+                                 precision=precision)
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, (precision, dt)
+        assert "jaxodc_varlen_attention" not in text and "333x333" not in text
+
+
+def test_auto_on_cuda_follows_the_choice_rule(monkeypatch):
+    """"auto" lowered for an H200: dense while the crossover table has no entry for it; the two
+    Triton kernels once it has one that the row's longest sample fits (the hint or, unknown, T)."""
+    q, k, v, seg, do = _data(13, 2, 333, 2, 24, ["mixed", "padded"])
+    triton = lambda text: text.count("custom_call @__gpu$xla.gpu.triton")  # noqa: E731
+    text = _lowered_for_h200("auto", q, k, v, seg, do)
+    assert triton(text) == 0 and "333x333" in text and "jaxodc_varlen_attention" not in text
+    monkeypatch.setitem(attention_policy.CROSSOVER, ("hopper", 32, "tf32"), 100)
+    assert triton(_lowered_for_h200("auto", q, k, v, seg, do, longest=90)) == 2
+    assert triton(_lowered_for_h200("auto", q, k, v, seg, do)) == 0  # longest unknown: maybe 333 > 100
+    assert triton(_lowered_for_h200("auto", q, k, v, seg, do, precision="highest", longest=90)) == 0  # no fp32 entry
 
 
 def test_padding_attends_to_itself_only():
@@ -179,12 +250,12 @@ def test_bfloat16_inputs():
     got = _fwd_bwd("kernel")(qb, kb, vb, seg, dob)
     # Both compute in float32 from the same bf16 values: they differ by float32 rounding, which the
     # final cast to bfloat16 may turn into one bf16 ulp.
-    want = _fwd_bwd("dense")(qb, kb, vb, seg, dob)
+    want = _fwd_bwd("dense", precision="highest")(qb, kb, vb, seg, dob)
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         assert g.dtype == jnp.bfloat16, name
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-3,
                                    err_msg=name)
-    ref32 = _fwd_bwd("dense")(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), seg, np.asarray(dob, np.float32))
+    ref32 = _fwd_bwd("dense", precision="highest")(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), seg, np.asarray(dob, np.float32))
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(ref32[0]), rtol=1e-2, atol=1e-2)
 
 

@@ -14,10 +14,13 @@ Implementations:
   "pallas": FlashAttention-2 in Pallas (jaxodc/ops/attention_pallas.py: jax's Triton kernel, made
             to visit only the blocks a row's samples reach): cost ~ sum(s^2) up to block rounding,
             memory linear in T. Compiled by Triton on a GPU; elsewhere it runs in Pallas interpret
-            mode (slow: tests). NEVER YET RUN ON A GPU: checked only in interpret mode on CPU
-            against the CPU kernel; tests/gpu/test_attention_gpu.py is its GPU check.
-  "auto":   the kernel on CPU, "pallas" on CUDA, dense elsewhere.
-All compute in float32 and return the input dtype (float32 or bfloat16).
+            mode (slow: tests).
+  "auto":   the kernel on CPU; on CUDA whichever of "pallas" and "dense" attention_policy.choose_impl
+            picks from static shapes (the longest sample if the caller knows it); dense elsewhere.
+The dots follow `precision` (attention_policy.dot_mode: jax.default_matmul_precision's semantics;
+by default bf16 operands for bf16 inputs, TF32 for fp32 inputs, as XLA's dense dots on a GPU) in
+"pallas" and "dense"; the CPU kernel is always fp32. Softmax and accumulation are fp32; the
+result has the input dtype (float32 or bfloat16). docs/gpu.md says what has run on a GPU.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxodc import _native
-from jaxodc.ops import attention_pallas
+from jaxodc.ops import attention_pallas, attention_policy
+from jaxodc.ops.attention_policy import Blocks, mixed_dot
 
 _native.register_targets()
 
@@ -52,16 +56,21 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return ((r[:, :, None] == r[:, None, :]) & causal)[:, None]
 
 
-def _dense_scores(q, k, segment_ids):
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+def _einsum(spec):
+    return lambda a, b, precision: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _dense_scores(q, k, segment_ids, mode="fp32"):
+    logits = mixed_dot(_einsum("bqhd,bkhd->bhqk"), q, k, mode, pallas=False) / jnp.sqrt(jnp.float32(q.shape[-1]))
     return jnp.where(attention_mask(segment_ids), logits, -jnp.inf)  # the diagonal is always kept
 
 
-def _dense(q, k, v, segment_ids):
-    """The reference: float32 [B, T, H, Dh] in, (o [B, T, H, Dh], lse [B, H, T]) out."""
-    s = _dense_scores(q, k, segment_ids)
+def _dense(q, k, v, segment_ids, mode="fp32"):
+    """The reference: [B, T, H, Dh] in, (o [B, T, H, Dh], lse [B, H, T]) out, fp32, its two
+    products in dot mode `mode` (XLA's precision: TF32 is full fp32 off the GPU)."""
+    s = _dense_scores(q, k, segment_ids, mode)
     lse = jax.nn.logsumexp(s, axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v)
+    o = mixed_dot(_einsum("bhqk,bkhd->bqhd"), jnp.exp(s - lse[..., None]), v, mode, pallas=False)
     return o, lse
 
 
@@ -97,31 +106,32 @@ def _kernel_vjp_bwd(isa, res, do):
 _kernel.defvjp(_kernel_vjp_fwd, _kernel_vjp_bwd)
 
 
-# Triton compiles the Pallas kernels on CUDA; any other platform interprets them.
-def _pallas_fwd_call(q, k, v, segment_ids):
-    return jax.lax.platform_dependent(
-        q, k, v, segment_ids, cuda=functools.partial(attention_pallas.forward, interpret=False),
-        default=functools.partial(attention_pallas.forward, interpret=True))
+# Triton compiles the Pallas kernels on CUDA; any other platform interprets them. q, k, v keep their
+# dtype (bf16 operands are read as such); o and lse are fp32, dq, dk, dv have q's dtype.
+def _pallas_fwd_call(q, k, v, segment_ids, mode, blocks):
+    f = functools.partial(attention_pallas.forward, mode=mode, blocks=blocks)
+    return jax.lax.platform_dependent(q, k, v, segment_ids, cuda=functools.partial(f, interpret=False),
+                                      default=functools.partial(f, interpret=True))
 
 
-def _pallas_bwd_call(q, k, v, segment_ids, o, lse, do):
-    return jax.lax.platform_dependent(
-        q, k, v, segment_ids, o, lse, do, cuda=functools.partial(attention_pallas.backward, interpret=False),
-        default=functools.partial(attention_pallas.backward, interpret=True))
+def _pallas_bwd_call(q, k, v, segment_ids, o, lse, do, mode, blocks):
+    f = functools.partial(attention_pallas.backward, mode=mode, blocks=blocks)
+    return jax.lax.platform_dependent(q, k, v, segment_ids, o, lse, do, cuda=functools.partial(f, interpret=False),
+                                      default=functools.partial(f, interpret=True))
 
 
-@jax.custom_vjp
-def _pallas(q, k, v, segment_ids):
-    return _pallas_fwd_call(q, k, v, segment_ids)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas(q, k, v, segment_ids, mode, blocks):
+    return _pallas_fwd_call(q, k, v, segment_ids, mode, blocks)[0]
 
 
-def _pallas_vjp_fwd(q, k, v, segment_ids):
-    o, lse = _pallas_fwd_call(q, k, v, segment_ids)
+def _pallas_vjp_fwd(q, k, v, segment_ids, mode, blocks):
+    o, lse = _pallas_fwd_call(q, k, v, segment_ids, mode, blocks)
     return o, (q, k, v, segment_ids, o, lse)
 
 
-def _pallas_vjp_bwd(res, do):
-    return (*_pallas_bwd_call(*res, do), None)
+def _pallas_vjp_bwd(mode, blocks, res, do):
+    return (*_pallas_bwd_call(*res, do, mode, blocks), None)
 
 
 _pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
@@ -130,28 +140,39 @@ _pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 # "auto" picks the implementation when lowering. One custom_vjp around all keeps the residuals
 # identical ((q, k, v, segment_ids, o, lse), lse in natural log): a platform_dependent around
 # differentiable branches would make the CPU branch carry zeros for the dense branch's [B, H, T, T]
-# residuals. The dense backward therefore recomputes its forward.
-@jax.custom_vjp
-def _auto(q, k, v, segment_ids):
-    return _auto_fwd(q, k, v, segment_ids)[0]
+# residuals. The dense backward therefore recomputes its forward. `gpu` is choose_impl's pick for
+# CUDA, made from static shapes before tracing.
+def _dense_bwd(q, k, v, segment_ids, o, lse, do, mode):
+    _, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, segment_ids, mode)[0], q, k, v)
+    return vjp(do)
 
 
-def _auto_fwd(q, k, v, segment_ids):
+def _f32(*xs):
+    return [x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _auto(q, k, v, segment_ids, mode, blocks, gpu):
+    return _auto_fwd(q, k, v, segment_ids, mode, blocks, gpu)[0]
+
+
+def _auto_fwd(q, k, v, segment_ids, mode, blocks, gpu):
+    cuda = (functools.partial(attention_pallas.forward, interpret=False, mode=mode, blocks=blocks) if gpu == "pallas"
+            else functools.partial(_dense, mode=mode))
     o, lse = jax.lax.platform_dependent(
-        q, k, v, segment_ids, cpu=lambda *a: _kernel_fwd_call(*a, 0),
-        cuda=lambda *a: attention_pallas.forward(*a, interpret=False), default=_dense)
+        q, k, v, segment_ids, cpu=lambda *a: _kernel_fwd_call(*_f32(*a), 0), cuda=cuda,
+        default=functools.partial(_dense, mode=mode))
     return o, (q, k, v, segment_ids, o, lse)
 
 
-def _auto_bwd(res, do):
-    def dense_bwd(q, k, v, segment_ids, o, lse, do):
-        _, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, segment_ids)[0], q, k, v)
-        return vjp(do)
-
-    dq, dk, dv = jax.lax.platform_dependent(
-        *res, do, cpu=lambda *a: _kernel_bwd_call(*a, 0),
-        cuda=lambda *a: attention_pallas.backward(*a, interpret=False), default=dense_bwd)
-    return dq, dk, dv, None
+def _auto_bwd(mode, blocks, gpu, res, do):
+    cuda = (functools.partial(attention_pallas.backward, interpret=False, mode=mode, blocks=blocks) if gpu == "pallas"
+            else functools.partial(_dense_bwd, mode=mode))
+    grads = jax.lax.platform_dependent(
+        *res, do, cpu=lambda *a: [g.astype(res[0].dtype) for g in _kernel_bwd_call(*_f32(*a), 0)],
+        cuda=lambda *a: [g.astype(res[0].dtype) for g in cuda(*a)],
+        default=lambda *a: [g.astype(res[0].dtype) for g in _dense_bwd(*a, mode=mode)])
+    return (*grads, None)
 
 
 _auto.defvjp(_auto_fwd, _auto_bwd)
@@ -178,33 +199,44 @@ def _check(q, k, v, segment_ids, impl):
 
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                      impl: str = "auto") -> jax.Array:
+                      impl: str = "auto", precision=None, longest: int | None = None) -> jax.Array:
     """Causal attention within each packed sample. Works under jit and grad; under vmap the
     kernel runs once per mapped element.
 
     Args:
       q, k, v: [B, T, H, Dh], float32 or bfloat16 (all the same dtype).
       segment_ids: [B, T] integer; each sample is one contiguous run of one id, 0 = padding.
-      impl: "auto" (kernel on CPU, pallas on CUDA, dense elsewhere), "dense", "kernel" (CPU only)
-        or "pallas" (GPU; interpret mode elsewhere).
+      impl: "auto" (kernel on CPU; on CUDA pallas or dense by attention_policy.choose_impl; dense
+        elsewhere), "dense", "kernel" (CPU only) or "pallas" (GPU; interpret mode elsewhere).
+      precision: the dots' precision in "pallas" and "dense" (attention_policy.dot_mode): None
+        follows jax.default_matmul_precision (bf16 dots for bf16 inputs, TF32 for fp32 inputs
+        unless "highest"); a jax precision name, lax.Precision, or "bf16", "bf16x3", "tf32", "fp32".
+      longest: the longest sample any row can hold, if the caller knows it (a static int): lets
+        "auto" take the Pallas kernel on a GPU where it is no slower than dense for such samples.
 
     Returns:
       [B, T, H, Dh] in q's dtype.
     """
-    return _segment_attention(q, k, v, segment_ids, impl=impl)
+    return _segment_attention(q, k, v, segment_ids, impl=impl, precision=precision, longest=longest)
 
 
-def _segment_attention(q, k, v, segment_ids, *, impl: str = "auto", isa: int = 0):
+def _segment_attention(q, k, v, segment_ids, *, impl: str = "auto", isa: int = 0, precision=None,
+                       longest: int | None = None, blocks: Blocks | None = None):
     _check(q, k, v, segment_ids, impl)
     dtype = jnp.result_type(q)
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    mode = attention_policy.dot_mode(dtype, precision)
+    B, T, H, Dh = np.shape(q)
+    kind = attention_policy.device_kind()
+    blocks = blocks or attention_policy.blocks_for(attention_policy.padded_head(Dh), mode, kind)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
     if impl == "dense":
-        o = _dense(q, k, v, segment_ids)[0]
+        o = _dense(q, k, v, segment_ids, mode)[0]
     elif impl == "kernel":
-        o = _kernel(q, k, v, segment_ids, int(isa))
+        o = _kernel(*_f32(q, k, v), segment_ids, int(isa))
     elif impl == "pallas":
-        o = _pallas(q, k, v, segment_ids)
+        o = _pallas(q, k, v, segment_ids, mode, blocks)
     else:
-        o = _auto(q, k, v, segment_ids)
+        gpu = attention_policy.choose_impl(T, Dh, mode, kind, longest=longest, B=B, H=H)
+        o = _auto(q, k, v, segment_ids, mode, blocks, gpu)
     return o.astype(dtype)

@@ -1,8 +1,10 @@
-"""segment_attention on CUDA: the Pallas flash kernel (impl "pallas", and "auto" which must pick it)
-against the CPU kernel run on the CPU backend of the same process and the dense reference on the
-GPU, every element, forward and gradient; and its cost following the samples of a row, not the
-row (timings printed). NEVER YET RUN ON A GPU when written. Run on the device machine:
-pytest -m gpu tests/gpu/test_attention_gpu.py -s (not collected in CI, which has no GPU)."""
+"""segment_attention on CUDA: the Pallas flash kernel (impl "pallas", and "auto" where the choice
+rule picks it) against the CPU kernel run on the CPU backend of the same process and the dense
+reference on the GPU, every element, forward and gradient, in full fp32 and in the reduced dot
+modes (TF32, bf16, bf16x3: test_attention's stated tolerances); and its cost following the samples
+of a row, not the row (timings printed). The dot modes and the choice rule were NEVER RUN ON A GPU
+when written. Run on the device machine: pytest -m gpu tests/gpu/test_attention_gpu.py -s (not
+collected in CI, which has no GPU)."""
 import time
 
 import jax
@@ -11,22 +13,23 @@ import numpy as np
 import pytest
 
 from gpu import gpu_devices_or_skip
+from jaxodc.ops import attention_policy
 from jaxodc.ops.attention import _segment_attention
-from test_attention import _data
+from test_attention import _data, assert_close_in_mode
 
 pytestmark = pytest.mark.gpu
-GPU = gpu_devices_or_skip()[0]
+GPU = gpu_devices_or_skip(cuda_build=False)[0]  # Pallas + the CPU kernel: no CUDA handlers needed
 CPU = jax.devices("cpu")[0]
 
 
-def _fwd_bwd(impl, device):
+def _fwd_bwd(impl, device, precision=None):
     def f(q, k, v, seg, do):
-        o, vjp = jax.vjp(lambda q, k, v: _segment_attention(q, k, v, seg, impl=impl), q, k, v)
+        o, vjp = jax.vjp(lambda q, k, v: _segment_attention(q, k, v, seg, impl=impl, precision=precision), q, k, v)
         return (o, *vjp(do))
     jitted = jax.jit(f)
 
     def run(*args):
-        with jax.default_matmul_precision("highest"):  # the dense reference in fp32, not TF32
+        with jax.default_matmul_precision("highest"):  # fp32, not TF32, unless `precision` says otherwise
             return [np.asarray(x, np.float32) for x in jitted(*(jax.device_put(a, device) for a in args))]
     return run
 
@@ -45,14 +48,43 @@ def test_pallas_on_gpu_matches_cpu_kernel_and_dense(Dh, T, H, kinds):
             np.testing.assert_allclose(g, d, rtol=1e-4, atol=2e-5, err_msg=f"{impl} {name} vs dense on the GPU")
 
 
-def test_auto_is_the_pallas_kernel_on_gpu():
+def test_auto_follows_the_choice_rule_on_gpu(monkeypatch):
+    """Without a crossover entry "auto" is dense on the GPU (no Triton kernel, the [T, T] scores);
+    with one that the row fits, the Pallas kernel (bit for bit, Triton in the lowered text)."""
     q, k, v, seg, do = _data(1, 2, 256, 2, 64, ["mixed", "padded"])
+    args = [jax.device_put(x, GPU) for x in (q, k, v, seg)]
+
+    def lowered():
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(lambda *x: _segment_attention(*x, impl="auto")).lower(*args).as_text()
+
+    text = lowered()
+    assert "xla.gpu.triton" not in text and "256x256" in text, "auto without a crossover entry is not dense"
+    a, d = _fwd_bwd("auto", GPU)(q, k, v, seg, do), _fwd_bwd("dense", GPU)(q, k, v, seg, do)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), a, d):  # the same dense maths, fused by XLA as it likes
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"auto vs dense: {name}")
+    monkeypatch.setitem(attention_policy.CROSSOVER, (attention_policy.generation(GPU.device_kind), 64, "fp32"), 256)
+    text = lowered()
+    assert "xla.gpu.triton" in text and "256x256" not in text, "auto with a crossover entry is not the Pallas kernel"
     a, p = _fwd_bwd("auto", GPU)(q, k, v, seg, do), _fwd_bwd("pallas", GPU)(q, k, v, seg, do)
     for name, x, y in zip(("o", "dq", "dk", "dv"), a, p):
-        np.testing.assert_array_equal(x, y, err_msg=name)
-    text = jax.jit(lambda *x: _segment_attention(*x, impl="auto")).lower(
-        *(jax.device_put(x, GPU) for x in (q, k, v, seg))).as_text()
-    assert "xla.gpu.triton" in text and "256x256" not in text, "auto is not the Pallas (Triton) kernel on the GPU"
+        np.testing.assert_array_equal(x, y, err_msg=f"auto vs pallas: {name}")
+
+
+@pytest.mark.parametrize("mode,dtype", [("tf32", "float32"), ("bf16", "bfloat16"), ("bf16", "float32"),
+                                        ("bf16x3", "float32")])
+def test_dot_modes_on_gpu_match_cpu_kernel(mode, dtype):
+    """The Pallas kernel and XLA's dense attention on the GPU, dots in `mode`, against the fp32
+    CPU kernel on the same (dtype-rounded) values: within test_attention's 16 u of each tensor's
+    largest element, and visibly rounded for TF32 / bf16 (a kernel left in fp32 fails)."""
+    q, k, v, seg, do = _data(5, 2, 700, 4, 64, ["mixed", "full"])
+    q, k, v, do = (np.asarray(jnp.asarray(x, dtype)) for x in (q, k, v, do))
+    want = _fwd_bwd("kernel", CPU)(*(np.asarray(x, np.float32) for x in (q, k, v)), seg, np.asarray(do, np.float32))
+    for impl in ("pallas", "dense"):
+        got = _fwd_bwd(impl, GPU, precision=mode)(q, k, v, seg, do)
+        # XLA's own TF32 need not show (it may round, or keep fp32): only the Pallas kernel's must.
+        assert_close_in_mode(got, want, mode, names=[f"{impl} {n}" for n in ("o", "dq", "dk", "dv")],
+                             visible=impl == "pallas" or mode == "bf16")
 
 
 def test_bfloat16_on_gpu():
