@@ -125,6 +125,43 @@ def test_sites_found_and_levels():
     assert end.separable and len(end.sites) >= 2, (end.reason, end.sites)
 
 
+def test_exchange_rounds_pack_small_sites_and_send_big_ones_alone():
+    from jaxodc.train.unitwise import exchange_rounds
+    # depth order first; within a depth, packed up to the cap, a bigger site alone
+    assert exchange_rounds([0, 0, 1, 0], [1, 2, 1, 3], cap=8) == [0, 0, 1, 0]
+    assert exchange_rounds([0, 0, 0, 0, 1], [1, 100, 100, 1, 1], cap=8) == [0, 1, 2, 3, 4]
+    assert exchange_rounds([0, 0, 0], [4, 4, 1], cap=8) == [0, 0, 1]
+    assert exchange_rounds([], []) == []
+
+
+def test_gathered_leaves_are_alive_one_at_a_time():
+    """Muon gathers each matrix whole (a site each): the end program's temporaries must not grow with
+    the number of matrices (each gathered leaf is exchanged, used and dropped before the next). The
+    exchange is an opaque identity here (a barrier), so XLA cannot fold it away."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jaxodc.modeling.units import make_layout
+    from jaxodc.optim.placement import ParamTree, place
+    from jaxodc.train.unitwise import EndStep
+
+    n = 256  # a leaf of ROUND_ELEMENTS: two never share an exchange
+    def temp_in_leaves(k):
+        layout = make_layout({f"u{i}": {"w": jax.ShapeDtypeStruct((n, n), jnp.float32)} for i in range(k)}, 2,
+                             sharding="per_leaf")
+        opt = place(optax.contrib.muon(1e-2), ParamTree.of_layout(layout), layout, 0)
+        shards = {u.name: jnp.zeros((u.shard,), jnp.float32) for u in layout.units}
+        state = opt.init(shards)
+        end = EndStep(opt, shards, state)
+        assert sorted(set(end.levels)) == list(range(end.rounds)) and end.rounds >= k, end.levels
+        prog = end.exchanged(lambda head, part: (head[None], jax.lax.optimization_barrier(part)))
+        ma = prog.lower(shards, jax.tree_util.tree_leaves(state), shards, jnp.zeros(4, jnp.uint32)).compile()
+        return ma.memory_analysis().temp_size_in_bytes / (n * n * 4)
+
+    two, eight = temp_in_leaves(2), temp_in_leaves(8)
+    assert eight <= two + 1.0, (two, eight)  # all eight alive at once would add six leaves or more
+
+
 # --- both trainers across processes against the single-process reference -----------------------
 
 def _setup(world):

@@ -201,6 +201,26 @@ def _separability(deps, upd_units: Sequence[str], state_units: Sequence[str | No
     return None
 
 
+# Elements one exchange of the end of a minibatch carries before the next site goes to a round of
+# its own: a whole leaf gathered for an operation on it (Muon's Newton-Schulz) travels alone, so
+# the program holds one gathered leaf at a time, not every one (norms and row statistics share).
+ROUND_ELEMENTS = 1 << 16
+
+
+def exchange_rounds(depth: Sequence[int], sizes: Sequence[int], cap: int = ROUND_ELEMENTS) -> list[int]:
+    """Each site's exchange (its level): sites in order of `depth` (a site reads only shallower
+    ones), those of one depth packed in order into exchanges of at most `cap` elements (a larger
+    site alone)."""
+    rounds, r = [0] * len(depth), -1
+    for lv in sorted(set(depth)):
+        r, used = r + 1, 0
+        for i in (i for i, d in enumerate(depth) if d == lv):
+            if used and used + sizes[i] > cap:
+                r, used = r + 1, 0
+            rounds[i], used = r, used + sizes[i]
+    return rounds
+
+
 class EndStep:
     """The optimizer's end of a minibatch as two kinds of compiled programs over this rank's
     shards, with every global reduction the optimizer makes exchanged between them.
@@ -213,13 +233,15 @@ class EndStep:
     reduction (it may be meant per rank), and only the optimizer knows which sums are global. The
     jaxpr does decide the rest: the sites are the hook's calls while the update is traced (in
     order), and `output_deps` finds which sites' partial sums depend on other sites' results
-    (`levels`: 0 = computable from the gradients, shards and state alone).
+    (depth 0: computable from the gradients, shards and state alone). `levels`: each site's
+    exchange, in depth order, sites of one depth packed together up to `ROUND_ELEMENTS` (so a
+    whole leaf gathered for an operation on it travels, and is alive, alone).
 
     The programs:
       `partials(k, ...)`: the partial sums of the sites of level k, one float32 vector (the
         update traced with the hook recording its arguments; the rest is dead code). The caller
-        sums every rank's vectors (one exchange per level: one in all for independent sites,
-        e.g. clipping's norm, and none for elementwise optimizers).
+        sums every rank's vectors (one exchange per level: one in all for independent small
+        sites, e.g. clipping's norm, one per gathered leaf, none for elementwise optimizers).
       `apply(...)`: the whole update with the hook returning the fed sums, as one program. With a
         `store` (ODC's in-place masters, `jaxodc.ops.odc_store_master`) each unit's new shard is
         written where it lives from inside the program, unit after unit: when the update is
@@ -273,10 +295,11 @@ class EndStep:
         if any(len(d) != len(self.site_deps) for d in every):
             raise ValueError(f"ranks traced different numbers of global reductions in the optimizer: "
                              f"{[len(d) for d in every]} (by rank)")
-        levels = []
-        for s in range(len(self.site_deps)):  # a site's level: one more than the deepest site it reads
-            levels.append(max((levels[i] + 1 for d in every for i in d[s]), default=0))
-        self.levels, self.rounds = levels, (max(levels) + 1 if levels else 0)
+        depth = []
+        for s in range(len(self.site_deps)):  # one more than the deepest site it reads
+            depth.append(max((depth[i] + 1 for d in every for i in d[s]), default=0))
+        self.levels = exchange_rounds(depth, self._sizes)
+        self.rounds = max(self.levels) + 1 if self.levels else 0
         upd_units = [_unit_of(p, names) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape[0])[0]]
         if len(upd_units) != len(self.names) or set(upd_units) != names or n_state != len(paths):
             self.reason = "the updates are not one array per unit, or the state changed structure"
