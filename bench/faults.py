@@ -13,6 +13,8 @@ Scenarios (the faulted peer is the last one):
   flap       its link goes down 1 s every 5 s for `down` s
   partition  its link goes down for `down` s (mid all-reduce)
   master     it cannot reach the master (a silent partition) for `down` s, its peers still can
+  loss       every host drops 1% of its incoming packets at random for `down` s (run at 100 Mbit/s):
+             nobody is dropped, results equal a loss-free run's; throughput during vs before
 
 A peer that lost the master registers again and is voted back in; the workers stop together once
 the driver has seen every peer back in the group (a stop vote carried inside the all-reduce, so
@@ -43,7 +45,7 @@ SLOTS = 8            # one-hot contributor slots (peer k adds 1 at slot k)
 STOP = SLOTS         # the stop vote
 HEAD = SLOTS + 1     # the payload starts here
 PORT = 48148
-SCENARIOS = ("stop", "flap", "partition", "master")
+SCENARIOS = ("stop", "flap", "partition", "master", "loss")
 
 
 def inputs(step: int, k: int, size: int, stop: bool = False) -> np.ndarray:
@@ -81,11 +83,11 @@ def worker(master: str, secret_file: str, k: str, npeers: str, outfile: str, siz
     def emit(ev, **kw):
         out.write(json.dumps({"ev": ev, "t": time.time(), **kw}) + "\n")
 
-    # heartbeat every hb/10: the peer gives the master up after hb s of silence, as the master
-    # gives up the peer; a ring transfer stalled for hb s fails too
+    # the peer gives the master up after hb s of silence, as the master gives up the peer; a ring
+    # transfer stalled for hb s fails too
     from jaxodc.auth import read_secret_file
     comm = Communicator(master, secret=read_secret_file(secret_file), heartbeat_s=hb / 10, timeout_s=60.0,
-                        ring_timeout_s=hb)
+                        ring_timeout_s=hb, master_timeout_s=hb)
     state, rev, newcomer = fresh_state(size), 0, False
     comm.connect()
     comm.update_topology(timeout_s=120.0)
@@ -216,6 +218,12 @@ class FaultRun:
             c.partition({0}, {f})
             time.sleep(self.down_s)
             c.heal()
+        elif self.scenario == "loss":
+            for i in range(self.n + 1):
+                c.loss(i, 0.01)
+            time.sleep(self.down_s)
+            for i in range(self.n + 1):
+                c.loss(i, 0.0)
         elif self.scenario == "flap":
             end = t0 + self.down_s
             while time.time() < end:
@@ -232,7 +240,8 @@ class FaultRun:
             f.write(os.urandom(32).hex().encode())
         env = {**os.environ, "PYTHONPATH": ROOT}
         self.procs: dict[int, subprocess.Popen] = {}
-        rec = {"scenario": self.scenario, "peers": self.n, "heartbeat_timeout_s": self.hb, "down_s": self.down_s}
+        rec = {"scenario": self.scenario, "peers": self.n, "heartbeat_timeout_s": self.hb, "down_s": self.down_s,
+               "link_gbps": self.gbps}
         t_start = time.monotonic()
         c = Cluster(self.n + 1, gbps=self.gbps).start()
         master = None
@@ -411,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--partition-s", type=float, default=30.0, help="partition / master: fault length (s)")
     ap.add_argument("--flap-s", type=float, default=60.0, help="flap: how long the link flaps (s)")
     ap.add_argument("--stop-s", type=float, default=15.0, help="stop: how long the peer stays stopped (s)")
+    ap.add_argument("--loss-s", type=float, default=30.0, help="loss: how long 1%% of packets are lost (s)")
+    ap.add_argument("--loss-gbps", type=float, default=0.1, help="loss: link rate (the issue's 100 Mbit/s WAN)")
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--size", type=int, default=1 << 20, help="float32 elements per all-reduce")
     ap.add_argument("--gbps", type=float, default=0.2, help="link rate of every host")
@@ -421,10 +432,12 @@ def main(argv=None) -> int:
     if why:
         print(f"bench faults: {why}", file=sys.stderr)
         return 2
-    down = {"stop": a.stop_s, "flap": a.flap_s, "partition": a.partition_s, "master": a.partition_s}
+    down = {"stop": a.stop_s, "flap": a.flap_s, "partition": a.partition_s, "master": a.partition_s,
+            "loss": a.loss_s}
     records = []
     for s in [x.strip() for x in a.scenarios.split(",") if x.strip()]:
-        rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, a.gbps or None).run()
+        gbps = a.loss_gbps if s == "loss" else a.gbps
+        rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, gbps or None).run()
         rec["bars_missed"] = bars(rec)
         print(json.dumps(rec), flush=True)
         records.append(rec)

@@ -11,8 +11,7 @@ from jaxodc.launch.cluster import unavailable
 
 WHY = unavailable()
 HB = 3.0
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(WHY is not None, reason=f"emulated hosts unavailable: {WHY}")]
+hosts = pytest.mark.skipif(WHY is not None, reason=f"emulated hosts unavailable: {WHY}")
 
 
 def _run(scenario, down_s, tmp_path):
@@ -25,6 +24,8 @@ def _run(scenario, down_s, tmp_path):
     return rec
 
 
+@pytest.mark.slow
+@hosts
 @pytest.mark.timeout(240)
 def test_stopped_peer_is_dropped_within_the_heartbeat_timeout_and_rejoins(tmp_path):
     rec = _run("stop", 5.0, tmp_path)
@@ -32,12 +33,16 @@ def test_stopped_peer_is_dropped_within_the_heartbeat_timeout_and_rejoins(tmp_pa
     assert rec["min_world"] == 2 and rec["faulty_rejoined"] and rec["faulty_fetched_bytes"] > 0, rec
 
 
+@pytest.mark.slow
+@hosts
 @pytest.mark.timeout(240)
 def test_flapping_link_no_hang_exact_results_bounded_retries(tmp_path):
     rec = _run("flap", 15.0, tmp_path)
     assert rec["max_attempts"] <= 3 and rec["longest_gap_s"] < 2 * HB + 2, rec
 
 
+@pytest.mark.slow
+@hosts
 @pytest.mark.timeout(240)
 def test_link_down_mid_all_reduce_survivors_finish_the_step_and_site_rejoins(tmp_path):
     rec = _run("partition", 6.0, tmp_path)
@@ -45,8 +50,58 @@ def test_link_down_mid_all_reduce_survivors_finish_the_step_and_site_rejoins(tmp
     assert rec["min_world"] == 2 and rec["faulty_rejoined"] and rec["faulty_fetched_bytes"] > 0, rec
 
 
+@pytest.mark.slow
+@hosts
 @pytest.mark.timeout(240)
 def test_master_unreachable_from_one_peer_it_is_kicked_and_rejoins(tmp_path):
     rec = _run("master", 6.0, tmp_path)
     assert rec["detected_s"] is not None and rec["detected_s"] <= HB + 2, rec
     assert rec["min_world"] == 2 and rec["faulty_rejoined"], rec
+
+
+@pytest.mark.timeout(60)
+def test_no_sender_blocks_forever_on_a_master_that_stopped_reading():
+    """The service SIGSTOPped with its socket open: the peer's sends fill the socket buffers; the
+    send fails after master_timeout_s (SO_SNDTIMEO) instead of blocking, under the send lock, every
+    thread that sends (the heartbeat's too, so nothing would ever notice)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from jaxodc.comm.communicator import Communicator, MasterUnavailable
+    from jaxodc.coord.protocol import Msg
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env.pop("JAXODC_JOB_SECRET", None)
+    env.pop("JAXODC_SECRET_FILE", None)
+    master = subprocess.Popen([sys.executable, "-m", "jaxodc", "master", "--port", "0", "--heartbeat-timeout", "60"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    comm = None
+    try:
+        line = master.stdout.readline()
+        assert "listening on" in line, line
+        comm = Communicator(line.split()[-1], heartbeat_s=0.1, master_timeout_s=2.0).connect()
+        os.kill(master.pid, signal.SIGSTOP)
+        t0, failed = time.monotonic(), []
+
+        def flood():
+            try:
+                while True:
+                    comm._send({"t": Msg.HEARTBEAT, "pad": b"x" * (1 << 19)})
+            except MasterUnavailable:
+                failed.append(time.monotonic() - t0)
+
+        th = threading.Thread(target=flood, daemon=True)
+        th.start()
+        th.join(15)
+        assert not th.is_alive() and failed and failed[0] <= 2.0 + 2.0, failed
+        with pytest.raises(MasterUnavailable):
+            comm.are_peers_pending()
+    finally:
+        os.kill(master.pid, signal.SIGCONT)
+        master.kill()
+        master.wait()
+        if comm is not None:
+            comm.close()
