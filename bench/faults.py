@@ -3,7 +3,8 @@
     python -m jaxodc bench faults --json bench/out/faults.json [--scenarios stop,flap,...]
 
 Scenarios sites-partition and sites-master run real DiLoCo sites (`jaxodc train --groups 3`, one
-per host): bench/faults_sites.py. The others run the communicator's own loop, below.
+per host): bench/faults_sites.py; odc-link and odc-loss run ODC across 2 hosts:
+bench/faults_odc.py. The others run the communicator's own loop, below.
 
 Host 0 runs `jaxodc master`; hosts 1..N run one peer each (a site's communicator). Every peer runs
 the PCCL loop: admit pending peers, sync the shared state, all-reduce (sum) this step's input with
@@ -418,8 +419,8 @@ def main(argv=None) -> int:
         return worker(*argv[1:9])
     from bench.common import print_table, write_records
     ap = argparse.ArgumentParser(prog="jaxodc bench faults", description=__doc__.split("\n\n")[0])
-    from bench import faults_sites
-    ap.add_argument("--scenarios", default=",".join(faults_sites.SCENARIOS + SCENARIOS))
+    from bench import faults_odc, faults_sites
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS + faults_sites.SCENARIOS + faults_odc.SCENARIOS))
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the master's and the peers' (s)")
     ap.add_argument("--partition-s", type=float, default=30.0, help="partition / master: fault length (s)")
     ap.add_argument("--flap-s", type=float, default=60.0, help="flap: how long the link flaps (s)")
@@ -441,7 +442,9 @@ def main(argv=None) -> int:
     records = []
     for s in [x.strip() for x in a.scenarios.split(",") if x.strip()]:
         gbps = a.loss_gbps if s == "loss" else a.gbps
-        if s in faults_sites.SCENARIOS:
+        if s in faults_odc.SCENARIOS:
+            rec = faults_odc.OdcRun(s).run()
+        elif s in faults_sites.SCENARIOS:
             rec = faults_sites.SitesRun(s, hb_timeout=a.heartbeat_timeout, down_s=a.partition_s).run()
         else:
             rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, gbps or None).run()
@@ -450,7 +453,8 @@ def main(argv=None) -> int:
         records.append(rec)
     print()
     print_table(records, ["scenario", "down_s", "detected_s", "recovered", "params_equal", "lost_steps", "rc",
-                          "leftovers", "aborts", "max_attempts", "longest_gap_s", "steps_per_s_before", "steps_per_s_during"])
+                          "leftovers", "aborts", "max_attempts", "longest_gap_s", "steps_per_s_before", "steps_per_s_during",
+                          "seconds_clean", "seconds_faulted"])
     write_records(a.json, records)
     return 1 if any(r["bars_missed"] for r in records) else 0
 
