@@ -289,7 +289,7 @@ class FaultRun:
                 master.kill()
                 master.wait()
             rec["rc"] = max([p.returncode for p in self.procs.values()] + [master.returncode])
-            rec["leftovers"] = leftovers_on_hosts(c)
+            rec["leftovers"], rec["closing_sockets"] = leftovers_on_hosts(c)
             rec.update(self.analyse(t_fault, t_heal))
             rec["steps_per_s_before"], rec["steps_per_s_after"] = before, self.throughput(t_heal)
             rec["steps_per_s_during"] = self.throughput(t_fault, t_heal)
@@ -371,20 +371,32 @@ class FaultRun:
         }
 
 
-def leftovers_on_hosts(c) -> list[str]:
-    """Processes (besides each host's namespace holder), TCP sockets not in TIME_WAIT, and /dev/shm
-    entries left on the cluster's hosts once every process of the run has ended."""
-    out = []
-    for h in c.hosts:
-        r = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True, timeout=30)
-        pids = [p for p in r.stdout.split() if int(p) != h.holder]
-        out += [f"host{h.index}: process {p}" for p in pids]
-        r = c.run(h.index, ["ss", "-Htan"], capture_output=True, text=True, timeout=30)
-        out += [f"host{h.index}: socket {' '.join(l.split())}" for l in r.stdout.splitlines()
-                if l.strip() and not l.startswith("TIME-WAIT")]
-        r = c.run(h.index, ["ls", "-A", "/dev/shm"], capture_output=True, text=True, timeout=30)
-        out += [f"host{h.index}: /dev/shm/{n}" for n in r.stdout.split()]
-    return out
+# TCP states of a socket its process already closed: the kernel alone finishes (or times out) the
+# FIN exchange, which a link that was down for long backs off for tens of seconds.
+CLOSING_STATES = ("TIME-WAIT", "FIN-WAIT-1", "FIN-WAIT-2", "CLOSING", "LAST-ACK")
+
+
+def leftovers_on_hosts(c, settle_s: float = 30.0) -> tuple[list[str], list[str]]:
+    """(leftovers, orphans) on the cluster's hosts once every process of the run has ended.
+    Leftovers: processes (besides each host's namespace holder), TCP sockets not closing, /dev/shm
+    entries. Orphans: sockets still closing after `settle_s` (owned by no process; they go with
+    the namespace): reported apart, not leftovers."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out, orphans = [], []
+        for h in c.hosts:
+            r = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True, timeout=30)
+            out += [f"host{h.index}: process {p}" for p in r.stdout.split() if int(p) != h.holder]
+            r = c.run(h.index, ["ss", "-Htan"], capture_output=True, text=True, timeout=30)
+            for line in r.stdout.splitlines():
+                if line.strip() and not line.startswith("TIME-WAIT"):
+                    (orphans if line.split()[0] in CLOSING_STATES else out).append(
+                        f"host{h.index}: socket {' '.join(line.split())}")
+            r = c.run(h.index, ["ls", "-A", "/dev/shm"], capture_output=True, text=True, timeout=30)
+            out += [f"host{h.index}: /dev/shm/{n}" for n in r.stdout.split()]
+        if not orphans or time.monotonic() > deadline:
+            return out, orphans
+        time.sleep(1.0)
 
 
 def leftovers_of_cluster(name: str) -> list[str]:
@@ -442,12 +454,16 @@ def main(argv=None) -> int:
     records = []
     for s in [x.strip() for x in a.scenarios.split(",") if x.strip()]:
         gbps = a.loss_gbps if s == "loss" else a.gbps
-        if s in faults_odc.SCENARIOS:
-            rec = faults_odc.OdcRun(s).run()
-        elif s in faults_sites.SCENARIOS:
-            rec = faults_sites.SitesRun(s, hb_timeout=a.heartbeat_timeout, down_s=a.partition_s).run()
-        else:
-            rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, gbps or None).run()
+        try:
+            if s in faults_odc.SCENARIOS:
+                rec = faults_odc.OdcRun(s).run()
+            elif s in faults_sites.SCENARIOS:
+                rec = faults_sites.SitesRun(s, hb_timeout=a.heartbeat_timeout, down_s=a.partition_s).run()
+            else:
+                rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, gbps or None).run()
+        except Exception as e:  # a scenario that failed to run is a record too; the others still run
+            rec = {"scenario": s, "heartbeat_timeout_s": a.heartbeat_timeout, "recovered": False,
+                   "error": f"{type(e).__name__}: {e}"[:3000]}
         rec["bars_missed"] = bars(rec)
         print(json.dumps(rec), flush=True)
         records.append(rec)

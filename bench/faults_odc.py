@@ -99,7 +99,7 @@ class OdcRun:
             faulted, wall1, _, err1 = self._launch(c, "faulted", self.fault)
             for i in (0, 1):
                 c.loss(i, 0.0)
-            rec["leftovers"] = leftovers_on_hosts(c)
+            rec["leftovers"], rec["closing_sockets"] = leftovers_on_hosts(c)
         finally:
             c.close()
         rec["leftovers"] += leftovers_of_cluster(c.name)

@@ -149,7 +149,7 @@ class SitesRun:
                 master.kill()
                 master.wait()
             rec["rc"] = max(list(rcs.values()) + [master.returncode])
-            rec["leftovers"] = leftovers_on_hosts(c)
+            rec["leftovers"], rec["closing_sockets"] = leftovers_on_hosts(c)
             rec.update(self.analyse(t_fault, outs))
         finally:
             for p in list(procs.values()) + ([master] if master else []):
