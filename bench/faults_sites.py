@@ -39,6 +39,7 @@ SCENARIOS = ("sites-partition", "sites-master")
 TRAIN = ["--minibatch", "2", "--max-tokens", "96", "--d-model", "32", "--layers", "1", "--heads", "2",
          "--clip", "0", "--lr", "3e-3", "--outer-lr", "1", "--outer-momentum", "0"]
 LOST = "lost the coordination service"
+STALE = "rejoins at the next outer step"  # the site's record of an outer step the others took without it
 PARAM_BYTES = 110_000  # TRAIN's model in fp32 is 115.7 kB: what a site sends per outer step in a ring of 2
 TBF_BURST = 64 << 10   # jaxodc.launch.cluster's tbf burst at these rates
 
@@ -57,12 +58,13 @@ class SitesRun:
         self.faulty = sites  # host index of the faulted site (sites on hosts 1..G, site ids 0..G-1)
         self.master_log: list[tuple[float, str]] = []
         if steps is None:
-            # The job must outlast the fault and the rejoin (+6 s), yet not run long after it. So
-            # while the fault lasts the survivors' links run at slow_mbps: an outer step then
+            # The job must outlast the fault and the rejoin (the site gives the master up after
+            # hb, retries its connection every hb at most, +6 s), yet not run long after it. So
+            # until the site is back the survivors' links run at slow_mbps: an outer step then
             # sends at least PARAM_BYTES per site (ring all-reduce), beyond tbf's burst, at that
             # rate; 4 outer steps remain after the rejoin.
             floor_s = (PARAM_BYTES - TBF_BURST) * 8 / (slow_mbps * 1e6)
-            steps = inner * (2 + int((down_s + hb_timeout + 6) / floor_s) + 4)
+            steps = inner * (2 + int((down_s + 2 * hb_timeout + 6) / floor_s) + 4)
         self.steps = steps
         self.dir = workdir or tempfile.mkdtemp(prefix=f"jaxodc-{scenario}-")
         self.faulty = sites  # host index of the faulted site (sites on hosts 1..G, site ids 0..G-1)
@@ -129,11 +131,15 @@ class SitesRun:
                 c.partition({0}, {self.faulty})
             c.set_rate(self.slow_mbps / 1e3, hosts=survivors)
             time.sleep(self.down_s)
-            c.set_rate(self.gbps, hosts=survivors)
             if self.scenario == "sites-partition":
                 c.link(self.faulty, True)
             else:
                 c.heal()
+            # the survivors stay slow until the site is back (bounded), so the job outlasts it
+            mark, deadline = len(open(outs[fs]).read()), time.monotonic() + 4 * self.hb + 60
+            while "joined:" not in open(outs[fs]).read()[mark:] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            c.set_rate(self.gbps, hosts=survivors)
             rcs = {}
             deadline = time.monotonic() + 600
             for s, p in procs.items():
@@ -185,7 +191,7 @@ class SitesRun:
         hashes: dict[int, dict[int, int]] = {}
         for s, rs in recs.items():
             for r in rs:
-                if not any(LOST in e for e in r["events"]):
+                if not any(STALE in e for e in r["events"]):
                     hashes.setdefault(r["outer_step"], {})[s] = r["state_hash"]
         for k, by_site in sorted(hashes.items()):
             if len(set(by_site.values())) > 1:

@@ -226,7 +226,9 @@ class Communicator:
                                               job_id=ss.job_of(self.peer_group))
         host, port = P.parse_address(self.address)
         try:
-            sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            # bounded by master_timeout_s too: a peer registering again after a partition retries
+            # soon after the heal instead of sitting out SYN backoff (up to timeout_s)
+            sock = socket.create_connection((host, port), timeout=min(self.timeout_s, self.master_timeout_s))
         except OSError as e:
             self.close()
             raise MasterUnavailable(f"cannot reach the coordination service at {self.address}: {e}; "

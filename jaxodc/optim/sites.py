@@ -256,12 +256,15 @@ class SiteRank:
         calls it first so that a newcomer's count is the job's."""
         if self.diloco is None or self.diloco._begun:
             return []
-        before = (self.comm.accepted, self.comm.world_size)
+        before = (self.comm.accepted, self.comm.world_size, self.diloco.rejoins)
         self.diloco.begin_outer()
         # θ_local <- θ_global, published to the site (every rank together, between minibatches)
         self.state.load_local_state(self.diloco.global_params, self.state.opt_state, self.state.version)
         events = []
-        if not before[0]:
+        rejoined = self.diloco.rejoins != before[2]  # lost the service in here, and came back
+        if rejoined:
+            events.append("lost the coordination service: registered again")
+        if not before[0] or rejoined:
             events.append(f"joined: ring of {self.comm.world_size} site(s)"
                           + (f", state fetched ({self.diloco.last_sync.bytes_received} bytes)"
                              if self.diloco.last_sync and self.diloco.last_sync.keys_fetched else ""))
