@@ -16,6 +16,7 @@ BENCHMARKS = {
     "load": "jaxodc.bench.load",
     "fuzz": "jaxodc.bench.fuzz",
     "optim": "jaxodc.bench.optim",
+    "faults": "jaxodc.bench.faults",
 }
 
 

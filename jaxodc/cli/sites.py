@@ -43,6 +43,10 @@ def add_arguments(p) -> None:
     a("--secret-file", metavar="FILE", help="the job's shared secret (the master's --secret-file)")
     a("--stop-file", metavar="PATH", help="sites leave at the next outer step once this file exists")
     a("--trace-sites", action="store_true", help=argparse.SUPPRESS)  # a line per inner minibatch and exchange
+    a("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+      help="give the service up after S s of silence; a cross-site transfer stalled S s fails (the master's value)")
+    a("--rejoin", type=float, default=0.0, metavar="S", help="a site that lost the service (a partition) registers "
+                                                           "again for up to S s and is voted back in (DiLoCo)")
     a("--join", action="store_true", help="this site joins a running job (voted in at its next outer step) "
                                           "instead of founding it with the other --groups sites")
 
@@ -76,7 +80,8 @@ def config_of(args, secret: bytes):
                       quantize=None if args.quantize == "none" else args.quantize, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum,
                       wan=Link(args.wan_mbps, args.wan_ms) if args.wan_mbps or args.wan_ms else None,
-                      timeout_s=60.0, founders=max(args.groups, 1))
+                      timeout_s=60.0, founders=max(args.groups, 1), heartbeat_timeout_s=args.heartbeat_timeout,
+                      rejoin_s=args.rejoin)
 
 
 def outer_steps(args) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 
@@ -105,6 +106,15 @@ def _master_hint(host: str) -> str:
     return hint
 
 
+def _bound_sends(sock: socket.socket, seconds: float) -> None:
+    """A send to a service that stopped reading (SIGSTOPped, or a half-open connection whose
+    buffers filled) fails after `seconds` instead of blocking every thread that sends."""
+    sec = max(seconds, 0.001)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(sec), int(sec % 1 * 1e6)))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: unacknowledged data fails the connection too
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(sec * 1000))
+
+
 class Communicator:
     """One peer of a fault-tolerant group (see the module docstring for the loop every peer runs).
 
@@ -116,6 +126,10 @@ class Communicator:
       secret: the group's shared secret (HMAC authentication of every connection).
       pool_size: connections per ring neighbour (concurrent all-reduces).
       heartbeat_s: interval of heartbeats to the service (a silent peer is declared dead).
+      master_timeout_s: silence of the service after which this peer gives its connection up
+        (MasterUnavailable; reconnect() registers again); also bounds a send to a service that
+        stopped reading (SO_SNDTIMEO) and unacknowledged data (TCP_USER_TIMEOUT). Default
+        max(10 * heartbeat_s, 2 s); match it to the service's heartbeat timeout.
       timeout_s: how long a request to the service may take.
       host: the address this peer listens on for ring and shared-state connections (default:
         $JAXODC_LOCAL_ADDR, else the address of this host that routes to the coordination service,
@@ -131,13 +145,15 @@ class Communicator:
     def __init__(self, address: str | None, peer_group: int = 0, secret: bytes = b"", pool_size: int = 2,
                  heartbeat_s: float = 0.5, timeout_s: float = 60.0, host: str | None = None,
                  ring_timeout_s: float = 10.0, host_master: bool = False,
-                 master_heartbeat_timeout_s: float | None = None, link=None):
+                 master_heartbeat_timeout_s: float | None = None, link=None,
+                 master_timeout_s: float | None = None):
         if isinstance(secret, str):
             secret = secret.encode()
         self.peer_group = int(peer_group)
         self.secret = secret
         self.pool_size = pool_size
         self.heartbeat_s = heartbeat_s
+        self.master_timeout_s = float(master_timeout_s or max(10 * heartbeat_s, 2.0))
         self.timeout_s = timeout_s
         self.host = host
         self.ring_timeout_s = ring_timeout_s
@@ -210,7 +226,9 @@ class Communicator:
                                               job_id=ss.job_of(self.peer_group))
         host, port = P.parse_address(self.address)
         try:
-            sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            # bounded by master_timeout_s too: a peer registering again after a partition retries
+            # soon after the heal instead of sitting out SYN backoff (up to timeout_s)
+            sock = socket.create_connection((host, port), timeout=min(self.timeout_s, self.master_timeout_s))
         except OSError as e:
             self.close()
             raise MasterUnavailable(f"cannot reach the coordination service at {self.address}: {e}; "
@@ -224,6 +242,7 @@ class Communicator:
             raise CommError(f"handshake with the coordination service at {self.address} failed: {e}") from e
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _bound_sends(sock, self.master_timeout_s)
         self._sock = sock
         self.peer_id = int(w["peer_id"])
         self._last_recv = time.monotonic()
@@ -317,7 +336,7 @@ class Communicator:
             self._mark_dead("reader stopped")
 
     def _heartbeat(self) -> None:
-        limit = max(10 * self.heartbeat_s, 2.0)
+        limit = self.master_timeout_s
         while not self._closed.wait(self.heartbeat_s):
             if self._dead:
                 return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import optax
 
 from jaxodc.comm import shared_state as ss
-from jaxodc.comm.communicator import Communicator
+from jaxodc.comm.communicator import Communicator, MasterUnavailable
 from jaxodc.optim.reducer import DEFAULT_TAG, PendingAverage, PseudoGradientReducer
 
 log = logging.getLogger("jaxodc.optim.diloco")
@@ -124,6 +125,11 @@ class DiLoCo:
         ring: jaxodc.optim.sites); every partner must make the same calls. None: the answer as is.
       admit: how this peer, a newcomer, gets voted in (None: ``comm.update_topology()``); a site
         joins all its rings or none (jaxodc.optim.sites).
+      rejoin_s: a peer that lost the coordination service (a partition, its link down: the group
+        drops it and goes on) registers again for up to this long and is voted back in as a
+        newcomer at its next outer step, fetching θ_global and the outer state; the outer step it
+        was in is then the group's without it (its pseudo-gradient is dropped, nothing is applied
+        twice). 0: MasterUnavailable is raised (the default, as before).
 
     Example:
       >>> dl = DiLoCo(comm, optax.adamw(3e-4), inner_steps=50, loss_fn=loss_fn).init(params)
@@ -136,7 +142,7 @@ class DiLoCo:
                  outer_opt: optax.GradientTransformation | None = None, inner_steps: int = 1, *,
                  loss_fn: Callable | None = None, asynchronous: bool = False, sync_every: int | None = None,
                  quantize: str | None = None, tag: int = DEFAULT_TAG, agree: Callable[[bool], bool] | None = None,
-                 admit: Callable[[], None] | None = None):
+                 admit: Callable[[], None] | None = None, rejoin_s: float = 0.0):
         if int(inner_steps) < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         self.comm = comm
@@ -149,6 +155,8 @@ class DiLoCo:
         self.reducer = PseudoGradientReducer(comm, quantize=quantize, tag=tag)
         self.agree = agree
         self.admit = admit
+        self.rejoin_s = float(rejoin_s)
+        self.rejoins = 0            # times this peer lost the service and registered again
         self.global_params = self.outer_state = self.params = self.inner_state = None
         self.outer_steps = 0        # outer steps completed on this peer
         self.inner_count = 0        # inner steps done in the current outer step
@@ -239,6 +247,33 @@ class DiLoCo:
         self._check_init()
         if self._begun:
             return
+        try:
+            self._membership()
+        except MasterUnavailable as e:
+            self._rejoin(e)
+            self._membership()  # now as a newcomer
+        self.params = self.global_params
+        self.inner_count = 0
+        self._begun = True
+
+    def _rejoin(self, err: MasterUnavailable) -> None:
+        """Registers again with the service (see ``rejoin_s``); raises `err` when not allowed."""
+        if not self.rejoin_s:
+            raise err
+        log.warning("%s: lost the coordination service (%s); registering again", self._who(), err)
+        deadline = time.monotonic() + self.rejoin_s
+        while True:
+            try:
+                self.comm.reconnect()
+                break
+            except MasterUnavailable:
+                if time.monotonic() > deadline:
+                    raise err from None
+                time.sleep(0.5)
+        self._pending = None  # the group finishes (or retried) it without this peer
+        self.rejoins += 1
+
+    def _membership(self) -> None:
         comm = self.comm
         strategy = None
         if not comm.accepted:  # a newcomer: blocks until the group votes it in
@@ -254,9 +289,6 @@ class DiLoCo:
             strategy = "enforce_popular"
         if strategy is not None:
             self._sync(strategy)
-        self.params = self.global_params
-        self.inner_count = 0
-        self._begun = True
 
     def _peers_pending(self) -> bool:
         pending = self.comm.are_peers_pending()
@@ -289,11 +321,15 @@ class DiLoCo:
         if not self._begun:
             raise RuntimeError(f"{self._who()}: outer_step() without begin_outer() or inner steps")
         delta = pseudo_gradient(self.global_params, self.params)
-        if self.asynchronous:  # finish the previous average before starting this one: they share tags
-            average = None if self._pending is None else self._pending.result()
-            self._pending = self.reducer.start(delta)  # runs during the next H inner steps
-        else:
-            average = self.reducer(delta)
+        try:
+            if self.asynchronous:  # finish the previous average before starting this one: they share tags
+                average = None if self._pending is None else self._pending.result()
+                self._pending = self.reducer.start(delta)  # runs during the next H inner steps
+            else:
+                average = self.reducer(delta)
+        except MasterUnavailable as e:  # the group steps without this peer; it fetches the result
+            self._rejoin(e)
+            average = None
         if average is not None:
             self._apply_outer(average)
         self.params = self.global_params

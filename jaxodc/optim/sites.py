@@ -50,6 +50,12 @@ class SiteConfig:
         they start from the same step). Sites started later join a running job (SiteRank's join).
       join_poll_s: a joining site's ranks compare, this often, whether all of them were voted in;
         a partial admission (a site elsewhere died in the middle of it) is backed out and retried.
+      heartbeat_timeout_s: this site's ranks give the service up after this long without a frame
+        from it, and a cross-site ring transfer stalled this long fails (match the service's
+        --heartbeat-timeout: a partitioned site is then noticed on both sides at once).
+      rejoin_s: a site that lost the service (diloco) registers again for up to this long and is
+        voted back in at its next outer step, fetching the shared state (DiLoCo's rejoin_s); 0
+        ends it instead.
     """
 
     address: str
@@ -64,6 +70,8 @@ class SiteConfig:
     timeout_s: float = 60.0
     founders: int = 1
     join_poll_s: float = 5.0
+    heartbeat_timeout_s: float = 10.0
+    rejoin_s: float = 0.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -138,8 +146,10 @@ class SiteRank:
             raise ValueError(f"site {site}: cross-site training shards with ODC inside a site; got comm={trainer.comm!r}")
         self.trainer, self.config, self.site = trainer, config, int(site)
         self.state = trainer.state
+        hb = config.heartbeat_timeout_s
         self.comm = Communicator(config.address, peer_group=trainer.rank, secret=config.secret,
-                                 timeout_s=config.timeout_s, link=config.wan).connect()
+                                 timeout_s=config.timeout_s, link=config.wan, heartbeat_s=min(0.5, hb / 10),
+                                 master_timeout_s=hb, ring_timeout_s=hb).connect()
         self.diloco: DiLoCo | None = None
         try:
             if join and config.mode == "hybrid":
@@ -152,8 +162,8 @@ class SiteRank:
             else:
                 self.diloco = DiLoCo(self.comm, None, config.outer_optimizer(), config.inner_steps,
                                      asynchronous=config.asynchronous, quantize=config.quantize,
-                                     agree=self._every_rank, admit=self._join_every_ring
-                                     ).init(self.state.local_shards())
+                                     agree=self._every_rank, admit=self._join_every_ring,
+                                     rejoin_s=config.rejoin_s).init(self.state.local_shards())
         except BaseException:
             self.comm.close()
             raise
@@ -246,12 +256,15 @@ class SiteRank:
         calls it first so that a newcomer's count is the job's."""
         if self.diloco is None or self.diloco._begun:
             return []
-        before = (self.comm.accepted, self.comm.world_size)
+        before = (self.comm.accepted, self.comm.world_size, self.diloco.rejoins)
         self.diloco.begin_outer()
         # θ_local <- θ_global, published to the site (every rank together, between minibatches)
         self.state.load_local_state(self.diloco.global_params, self.state.opt_state, self.state.version)
         events = []
-        if not before[0]:
+        rejoined = self.diloco.rejoins != before[2]  # lost the service in here, and came back
+        if rejoined:
+            events.append("lost the coordination service: registered again")
+        if not before[0] or rejoined:
             events.append(f"joined: ring of {self.comm.world_size} site(s)"
                           + (f", state fetched ({self.diloco.last_sync.bytes_received} bytes)"
                              if self.diloco.last_sync and self.diloco.last_sync.keys_fetched else ""))
@@ -281,8 +294,11 @@ class SiteRank:
             if on_exchange is not None:
                 on_exchange()
             self.diloco.params = self.state.local_shards()
+            rejoins = self.diloco.rejoins
             self.diloco.outer_step()
             digest = self.diloco.state_hash()
+            if self.diloco.rejoins != rejoins:  # the others stepped without it: digest is stale
+                events.append("lost the coordination service: registered again, rejoins at the next outer step")
         else:
             self._steps += len(recs)
             from jaxodc.comm import shared_state as ss
