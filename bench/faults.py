@@ -457,8 +457,11 @@ def main(argv=None) -> int:
         try:
             if s in faults_odc.SCENARIOS:
                 rec = faults_odc.OdcRun(s).run()
+            elif s == "sites-loss":
+                rec = faults_sites.loss_record(a.heartbeat_timeout, gbps=a.loss_gbps)
             elif s in faults_sites.SCENARIOS:
-                rec = faults_sites.SitesRun(s, hb_timeout=a.heartbeat_timeout, down_s=a.partition_s).run()
+                rec = {k: v for k, v in faults_sites.SitesRun(s, hb_timeout=a.heartbeat_timeout,
+                                                              down_s=a.partition_s).run().items() if k != "final_shards"}
             else:
                 rec = FaultRun(s, a.peers, a.heartbeat_timeout, down[s], a.size, gbps or None).run()
         except Exception as e:  # a scenario that failed to run is a record too; the others still run

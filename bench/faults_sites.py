@@ -10,6 +10,10 @@ again). When the last site announces an outer exchange, the fault starts:
   sites-partition  that site's link goes down for `down` s
   sites-master     that site cannot reach the master for `down` s; it still reaches the other sites
 
+and `sites-loss` (scenario 3's DiLoCo half) runs the same job twice on 100 Mbit/s links, without
+and with 1% random loss on every host's link for the whole run: `params_equal` compares the
+sites' final shards across the two runs (`SitesRun.loss_record`).
+
 Checked from the sites' records (--json): every site ends rc 0 with the same final shards; the
 survivors' outer steps are 0, 1, ..., total-1, each once (none lost, none applied twice), with the
 same shared-state hash at each step on every site that took part; the faulted site was voted in
@@ -34,7 +38,7 @@ if ROOT not in sys.path:
 
 from bench.faults import PORT, leftovers_of_cluster, leftovers_on_hosts  # noqa: E402
 
-SCENARIOS = ("sites-partition", "sites-master")
+SCENARIOS = ("sites-partition", "sites-master", "sites-loss")
 # a small job (docs/sites.md's flags; tests/support/sites_reference.py's model)
 TRAIN = ["--minibatch", "2", "--max-tokens", "96", "--d-model", "32", "--layers", "1", "--heads", "2",
          "--clip", "0", "--lr", "3e-3", "--outer-lr", "1", "--outer-momentum", "0"]
@@ -47,16 +51,18 @@ TBF_BURST = 64 << 10   # jaxodc.launch.cluster's tbf burst at these rates
 class SitesRun:
     def __init__(self, scenario: str, sites: int = 3, ranks: int = 1, inner: int = 2, steps: int | None = None,
                  hb_timeout: float = 3.0, down_s: float = 8.0, gbps: float | None = 1.0, slow_mbps: float = 0.5,
-                 workdir: str | None = None):
+                 workdir: str | None = None, loss: float = 0.0):
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; choose from {SCENARIOS}")
         if sites < 3:
             raise ValueError("the survivors of a fault need a ring of 2 sites or more: sites >= 3")
         self.scenario, self.g, self.w, self.h = scenario, sites, ranks, inner
-        self.hb, self.down_s, self.gbps, self.slow_mbps = hb_timeout, down_s, gbps, slow_mbps
+        self.hb, self.down_s, self.gbps, self.slow_mbps, self.loss = hb_timeout, down_s, gbps, slow_mbps, loss
         self.dir = workdir or tempfile.mkdtemp(prefix=f"jaxodc-{scenario}-")
         self.faulty = sites  # host index of the faulted site (sites on hosts 1..G, site ids 0..G-1)
         self.master_log: list[tuple[float, str]] = []
+        if steps is None and scenario == "sites-loss":
+            steps = inner * 6
         if steps is None:
             # The job must outlast the fault and the rejoin (the site gives the master up after
             # hb, retries its connection every hb at most, +6 s), yet not run long after it. So
@@ -97,6 +103,8 @@ class SitesRun:
         procs: dict[int, subprocess.Popen] = {}
         master = None
         try:
+            for h in range(self.g + 1) if self.loss else ():
+                c.loss(h, self.loss)
             master = c.popen(0, [sys.executable, "-m", "jaxodc", "master", "--host", "0.0.0.0", "--port", str(PORT),
                                  "--secret-file", secret, "--heartbeat-timeout", str(self.hb)],
                              cwd=self.dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -111,35 +119,7 @@ class SitesRun:
                     procs[s] = c.popen(s + 1, self._site_argv(s, secret), cwd=self.dir, env=env, stdout=f,
                                        stderr=subprocess.STDOUT)
             fs = self.g - 1
-            # the fault starts as the faulted site begins an outer exchange (after 2 outer steps)
-            pat = re.compile(rf"site {fs} outer step (\d+): exchange")
-            deadline = time.monotonic() + 600
-            while True:
-                m = [int(x) for x in pat.findall(open(outs[fs]).read())]
-                if m and max(m) >= 2:
-                    break
-                bad = {s: p.returncode for s, p in procs.items() if p.poll() is not None}
-                if bad or time.monotonic() > deadline:
-                    raise RuntimeError(f"sites ended ({bad}) or no exchange within 600 s: "
-                                       f"{open(outs[fs]).read()[-2000:]}")
-                time.sleep(0.02)
-            t_fault = time.time()
-            survivors = list(range(1, self.faulty))
-            if self.scenario == "sites-partition":
-                c.link(self.faulty, False)
-            else:
-                c.partition({0}, {self.faulty})
-            c.set_rate(self.slow_mbps / 1e3, hosts=survivors)
-            time.sleep(self.down_s)
-            if self.scenario == "sites-partition":
-                c.link(self.faulty, True)
-            else:
-                c.heal()
-            # the survivors stay slow until the site is back (bounded), so the job outlasts it
-            mark, deadline = len(open(outs[fs]).read()), time.monotonic() + 4 * self.hb + 60
-            while "joined:" not in open(outs[fs]).read()[mark:] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            c.set_rate(self.gbps, hosts=survivors)
+            t_fault = self._fault(c, fs, outs, procs) if self.scenario != "sites-loss" else time.time()
             rcs = {}
             deadline = time.monotonic() + 600
             for s, p in procs.items():
@@ -166,6 +146,40 @@ class SitesRun:
         rec["leftovers"] = rec.get("leftovers", []) + leftovers_of_cluster(c.name)
         rec["seconds"] = round(time.monotonic() - t_start, 1)
         return rec
+
+    def _fault(self, c, fs: int, outs: dict, procs: dict) -> float:
+        """Starts the fault as the faulted site begins an outer exchange (after 2 outer steps),
+        ends it after `down_s`, and keeps the survivors slow until the site is back (bounded).
+        Returns when the fault began."""
+        pat = re.compile(rf"site {fs} outer step (\d+): exchange")
+        deadline = time.monotonic() + 600
+        while True:
+            m = [int(x) for x in pat.findall(open(outs[fs]).read())]
+            if m and max(m) >= 2:
+                break
+            bad = {s: p.returncode for s, p in procs.items() if p.poll() is not None}
+            if bad or time.monotonic() > deadline:
+                raise RuntimeError(f"sites ended ({bad}) or no exchange within 600 s: "
+                                   f"{open(outs[fs]).read()[-2000:]}")
+            time.sleep(0.02)
+        t_fault = time.time()
+        survivors = list(range(1, self.faulty))
+        if self.scenario == "sites-partition":
+            c.link(self.faulty, False)
+        else:
+            c.partition({0}, {self.faulty})
+        c.set_rate(self.slow_mbps / 1e3, hosts=survivors)
+        time.sleep(self.down_s)
+        if self.scenario == "sites-partition":
+            c.link(self.faulty, True)
+        else:
+            c.heal()
+        # the survivors stay slow until the site is back (bounded), so the job outlasts it
+        mark, deadline = len(open(outs[fs]).read()), time.monotonic() + 4 * self.hb + 60
+        while "joined:" not in open(outs[fs]).read()[mark:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.set_rate(self.gbps, hosts=survivors)
+        return t_fault
 
     def analyse(self, t_fault: float, outs: dict) -> dict:
         from jaxodc.cli.sites import read_records
@@ -203,8 +217,10 @@ class SitesRun:
         removed = [t for t, line in self.master_log if "removed peer" in line and t >= t_fault]
         worlds = [r["sites"] for s, rs in recs.items() if s != fs for r in rs]
         return {
-            "detected_s": round(min(removed) - t_fault, 2) if removed else None,
-            "recovered": rejoined and fetched and len(finals) == self.g,
+            "final_shards": finals.get(0),
+            "detected_s": round(min(removed) - t_fault, 2) if removed and self.scenario != "sites-loss" else None,
+            # under loss nothing is cut off: every site ends with its record
+            "recovered": (rejoined and fetched or self.scenario == "sites-loss") and len(finals) == self.g,
             "params_equal": equal and not failures,
             "lost_steps": lost,
             "outer_steps": total,
@@ -213,3 +229,22 @@ class SitesRun:
             "failures": failures[:20],
         }
 
+
+def loss_record(hb_timeout: float, loss: float = 0.01, gbps: float = 0.1, workdir: str | None = None) -> dict:
+    """Scenario 3's DiLoCo half: the same job (same seed) without and with `loss` on every host's
+    link at `gbps`; the lossy run's record, with `params_equal` comparing the final shards of the
+    two runs and both runs' wall times."""
+    with tempfile.TemporaryDirectory(prefix="jaxodc-sites-loss-", dir=workdir) as tmp:
+        for sub in ("clean", "lossy"):
+            os.makedirs(os.path.join(tmp, sub))
+        clean = SitesRun("sites-loss", hb_timeout=hb_timeout, gbps=gbps, loss=0.0,
+                         workdir=os.path.join(tmp, "clean")).run()
+        lossy = SitesRun("sites-loss", hb_timeout=hb_timeout, gbps=gbps, loss=loss,
+                         workdir=os.path.join(tmp, "lossy")).run()
+    same = clean.get("final_shards") is not None and lossy.get("final_shards") == clean["final_shards"]
+    rec = {k: v for k, v in lossy.items() if k != "final_shards"}
+    rec.update(loss=loss, params_equal=bool(lossy.get("params_equal")) and same, recovered=lossy.get("recovered")
+               and clean.get("recovered"), seconds_clean=clean.get("seconds"), seconds_faulted=lossy.get("seconds"),
+               rc=max(clean.get("rc", 1), lossy.get("rc", 1)),
+               leftovers=clean.get("leftovers", []) + lossy.get("leftovers", []))
+    return rec

@@ -231,3 +231,20 @@ def test_peer_leaving_mid_measurement_fails_optimize():
     assert s.disconnect(c, "connection closed", 1.0) == [Send(a, error(1, "aborted", why)),
                                                           Send(b, error(1, "aborted", why))]
     assert s.receive(a, {"t": "measured", "mid": 4, "ok": True, "bw": 1.0}, 1.0) == []  # too late
+
+
+def test_unoptimised_ring_follows_the_peers_hosts_not_their_registration_order():
+    """The same members on the same hosts form the same ring whatever order they registered in, so
+    a rerun of a job sums in the same order (bit-identical); peers of one host keep their order."""
+    for order in ([3, 1, 2], [2, 3, 1], [1, 2, 3]):
+        s = CoordState()
+        addrs = {h: f"10.0.0.{h}:{7000 - h}" for h in order}
+        pids = [s.register(0, addrs[h], f"ss-{h}") for h in order]
+        s.register(0, "10.0.0.2:1", "ss-2b")  # registers last, on host 2's address with a lower port
+        pids.append(len(pids) + 1)
+        for p in pids:
+            s.receive(p, {"t": "topo", "rid": 100}, 0.0)
+        s.receive(pids[0], {"t": "topo_done", "rid": 101, "op": 1, "ok": True}, 0.0)
+        out = s.receive(pids[0], {"t": "topo", "rid": 102, "accept_new": True}, 0.0)
+        ring = [m.msg["ring"] for m in out if m.to == pids[0]][0]
+        assert ring == ["10.0.0.1:6999", "10.0.0.2:6998", "10.0.0.2:1", "10.0.0.3:6997"], (order, ring)

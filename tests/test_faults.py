@@ -4,7 +4,7 @@ every completed all-reduce equals numpy's sum over the peers that took part and 
 its numpy replay on every peer. Under DiLoCo sites (`jaxodc train --groups 3`, one per host): a
 site's link down mid exchange, a site cut from the master; every site ends with the same shards,
 the survivors' outer steps are each applied once, the site is voted back in and fetches the
-state. Always: detected within the heartbeat timeout (+2 s), nothing left behind. Shorter faults
+state; under 1% loss, the final shards of a loss-free run. Always: detected within the heartbeat timeout (+2 s), nothing left behind. Shorter faults
 and a 3 s heartbeat timeout keep CI short; the bench runs the issue's lengths
 (`python -m jaxodc bench faults`)."""
 import pytest
@@ -68,6 +68,18 @@ def test_diloco_site_link_down_mid_exchange_others_finish_the_step_site_rejoins(
 def test_diloco_site_cut_from_the_master_is_kicked_and_rejoins(tmp_path):
     """Scenario 2: the last site cannot reach the master for 8 s (it still reaches the others)."""
     _sites("sites-master", tmp_path)
+
+
+@pytest.mark.slow
+@hosts
+@pytest.mark.timeout(400)
+def test_diloco_under_loss_ends_where_a_loss_free_run_ends(tmp_path):
+    """Scenario 3 (DiLoCo half): three sites, 1% loss on every host's 100 Mbit/s link for the whole
+    run; the final shards equal those of the same job without loss, every element."""
+    from jaxodc.bench import faults, faults_sites
+    rec = faults_sites.loss_record(HB, workdir=str(tmp_path))
+    assert rec["failures"] == [] and faults.bars(rec) == [], rec
+    assert rec["params_equal"] and rec["recovered"] and rec["min_sites"] == 3 and rec["lost_steps"] == 0, rec
 
 
 def test_no_sender_blocks_forever_on_a_master_that_stopped_reading():

@@ -162,6 +162,14 @@ class CoordState:
 
     # --- events -----------------------------------------------------------------------------
 
+    def _host_order(self, pid: int) -> tuple:
+        """A peer's place in an unoptimised ring: its ring endpoint's host (IPv4 numerically), then
+        its id."""
+        host = self.peers[pid].ring_addr.rpartition(":")[0].strip("[]")
+        parts = host.split(".")
+        numeric = len(parts) == 4 and all(x.isdigit() for x in parts)
+        return (0, tuple(int(x) for x in parts), pid) if numeric else (1, host, pid)
+
     def register(self, group: int, ring_addr: str, ss_addr: str) -> int:
         """An authenticated peer joins ``group`` as REGISTERED.
 
@@ -520,7 +528,10 @@ class CoordState:
             group.waiting.clear()
         member_ids = [p.id for p in group.members]
         pref = [pid for pid in (group.preferred or []) if pid in member_ids]
-        ring = pref + [pid for pid in member_ids if pid not in pref]
+        # Unless an optimised order is preferred, the ring follows the peers' hosts, not the order
+        # they registered in (a race): the same members on the same hosts then sum in the same
+        # order, so a rerun of a job gives bit-identical sums (peers of one host: registration order).
+        ring = pref + sorted((pid for pid in member_ids if pid not in pref), key=self._host_order)
         voters = [(pid, rid) for pid, (rid, _) in op.votes.items() if pid in self.peers]
         addrs = [self.peers[i].ring_addr for i in ring]
         if ring == group.ring and not group.stale:
