@@ -82,6 +82,21 @@ def test_diloco_under_loss_ends_where_a_loss_free_run_ends(tmp_path):
     assert rec["params_equal"] and rec["recovered"] and rec["min_sites"] == 3 and rec["lost_steps"] == 0, rec
 
 
+@pytest.mark.slow
+@hosts
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario,steps", [("odc-link", 8)])
+def test_odc_across_hosts_rides_through_the_network_fault(tmp_path, scenario, steps):
+    """Scenario 4: 2 hosts x 2 ranks, the reproducible sum; host 1's link down 5 s from minibatch
+    2: the run rides through (TCP retransmits under ODC's bounded waits) with every rank's
+    parameters equal (sha256) to the same job's without the fault. (Scenario 3's ODC half,
+    `odc-loss`, is the same check under 1% loss: bench faults only, for CI's time.)"""
+    from jaxodc.bench import faults, faults_odc
+    rec = faults_odc.OdcRun(scenario, steps=steps, workdir=str(tmp_path)).run()
+    assert rec["failures"] == [] and faults.bars(rec) == [], rec
+    assert rec["params_equal"] and rec["recovered"] and rec["rc"] == 0, rec
+
+
 def test_no_sender_blocks_forever_on_a_master_that_stopped_reading():
     """The service SIGSTOPped with its socket open: the peer's sends fill the socket buffers; the
     send fails after master_timeout_s (SO_SNDTIMEO) instead of blocking, under the send lock, every
