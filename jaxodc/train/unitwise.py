@@ -268,7 +268,8 @@ class EndStep:
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
         # A leaf spanning several units (beside a scan-stacked parameter) is read by each of them
-        # and written by the last, in place: never read after it changed.
+        # and written by the last, so never read after it changed (XLA:CPU still copies the
+        # donated leaf, which several fusions read: bench/RESULTS.md, stop 37).
         self._state_span = _state_spans(optimizer, paths, self.names)
         self._state_unit = [max(s, key=self.names.index) if s else None for s in self._state_span]
         self._store, self._token = store, token
