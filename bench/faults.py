@@ -2,8 +2,8 @@
 
     python -m jaxodc bench faults --json bench/out/faults.json [--scenarios stop,flap,...]
 
-Scenarios sites-partition and sites-master run real DiLoCo sites (`jaxodc train --groups 3`, one
-per host): bench/faults_sites.py; odc-link and odc-loss run ODC across 2 hosts:
+Scenarios sites-partition, sites-master and sites-loss run real DiLoCo sites (`jaxodc train
+--groups 3`, one per host): bench/faults_sites.py; odc-link and odc-loss run ODC across 2 hosts:
 bench/faults_odc.py. The others run the communicator's own loop, below.
 
 Host 0 runs `jaxodc master`; hosts 1..N run one peer each (a site's communicator). Every peer runs
