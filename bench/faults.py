@@ -275,20 +275,8 @@ class FaultRun:
                             f"every peer back in the group after the heal ({self.scenario})")
             open(self.stopfile, "w").close()
             deadline = time.monotonic() + 120
-            for i, p in self.procs.items():
-                try:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            rec["rc"] = finish(self.procs, master, deadline)
             self.scan()
-            master.send_signal(signal.SIGTERM)
-            try:
-                master.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
-            rec["rc"] = max([p.returncode for p in self.procs.values()] + [master.returncode])
             rec["leftovers"], rec["closing_sockets"] = leftovers_on_hosts(c)
             rec.update(self.analyse(t_fault, t_heal))
             rec["steps_per_s_before"], rec["steps_per_s_after"] = before, self.throughput(t_heal)
@@ -296,13 +284,7 @@ class FaultRun:
             t = [e["t"] for e in self.events[1] if e["ev"] == "step"]
             rec["longest_gap_s"] = round(max(np.diff(t)), 2) if len(t) > 1 else None
         finally:
-            for p in list(self.procs.values()) + ([master] if master else []):
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            c.close()
-        rec["leftovers"] = rec.get("leftovers", []) + leftovers_of_cluster(c.name)
-        rec["seconds"] = round(time.monotonic() - t_start, 1)
+            tear_down(c, [*self.procs.values(), master], rec, t_start)
         return rec
 
     def throughput(self, after: float = 0.0, before: float = float("inf")) -> float | None:
@@ -374,6 +356,37 @@ class FaultRun:
 # TCP states of a socket its process already closed: the kernel alone finishes (or times out) the
 # FIN exchange, which a link that was down for long backs off for tens of seconds.
 CLOSING_STATES = ("TIME-WAIT", "FIN-WAIT-1", "FIN-WAIT-2", "CLOSING", "LAST-ACK")
+
+
+def finish(procs: dict, master, deadline: float) -> int:
+    """Waits for the peers until `deadline` (killing the late ones), then stops the master
+    (SIGTERM, killed after 30 s); the worst exit status of them all."""
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    master.send_signal(signal.SIGTERM)
+    try:
+        master.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        master.kill()
+        master.wait()
+    return max([p.returncode for p in procs.values()] + [master.returncode])
+
+
+def tear_down(c, procs, rec: dict, t_start: float) -> dict:
+    """Kills what still runs of `procs`, removes the cluster, and completes `rec` with what the
+    cluster left behind and the run's seconds."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+    c.close()
+    rec["leftovers"] = rec.get("leftovers", []) + leftovers_of_cluster(c.name)
+    rec["seconds"] = round(time.monotonic() - t_start, 1)
+    return rec
 
 
 def leftovers_on_hosts(c, settle_s: float = 30.0) -> tuple[list[str], list[str]]:

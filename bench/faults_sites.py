@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.faults import PORT, leftovers_of_cluster, leftovers_on_hosts  # noqa: E402
+from bench.faults import PORT, finish, leftovers_on_hosts, tear_down  # noqa: E402
 
 SCENARIOS = ("sites-partition", "sites-master", "sites-loss")
 # a small job (docs/sites.md's flags; tests/support/sites_reference.py's model)
@@ -120,31 +119,11 @@ class SitesRun:
                                        stderr=subprocess.STDOUT)
             fs = self.g - 1
             t_fault = self._fault(c, fs, outs, procs) if self.scenario != "sites-loss" else time.time()
-            rcs = {}
-            deadline = time.monotonic() + 600
-            for s, p in procs.items():
-                try:
-                    rcs[s] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    rcs[s] = p.wait()
-            master.send_signal(signal.SIGTERM)
-            try:
-                master.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
-            rec["rc"] = max(list(rcs.values()) + [master.returncode])
+            rec["rc"] = finish(procs, master, time.monotonic() + 600)
             rec["leftovers"], rec["closing_sockets"] = leftovers_on_hosts(c)
             rec.update(self.analyse(t_fault, outs))
         finally:
-            for p in list(procs.values()) + ([master] if master else []):
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            c.close()
-        rec["leftovers"] = rec.get("leftovers", []) + leftovers_of_cluster(c.name)
-        rec["seconds"] = round(time.monotonic() - t_start, 1)
+            tear_down(c, [*procs.values(), master], rec, t_start)
         return rec
 
     def _fault(self, c, fs: int, outs: dict, procs: dict) -> float:
