@@ -68,10 +68,15 @@ def test_generation_and_blocks_lookup(monkeypatch):
     assert [ap.generation(k) for k in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA B200",
                                        "Tesla V100", None)] == ["hopper", "hopper", "ampere", "blackwell", "*", "*"]
     assert [ap.padded_head(d) for d in (1, 16, 24, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
-    # Today's table: the kernels' old defaults (64-token forward blocks, 32 above head size 64).
-    assert ap.blocks_for(64, "bf16", "NVIDIA H200") == Blocks(64, 64, 32)
+    # Today's table: the H200 sweep's entries on Hopper, the kernels' old defaults elsewhere (64-token
+    # forward blocks, 32 above head size 64).
+    assert ap.blocks_for(64, "bf16", "NVIDIA H200") == Blocks(64, 64, 64, 4, 3)
+    assert ap.blocks_for(128, "bf16", "NVIDIA H100 80GB HBM3") == Blocks(64, 32, 32, 4, 3)
+    assert ap.blocks_for(64, "fp32", "NVIDIA H200") == Blocks(64, 64, 32)  # not swept
+    assert ap.blocks_for(64, "bf16", "NVIDIA A100-SXM4-80GB") == Blocks(64, 64, 32)
     assert ap.blocks_for(128, "tf32", None) == Blocks(32, 32, 32)
     # A sweep's entry wins for its generation / head / mode only; a generation-wide one beats "*".
+    monkeypatch.setattr(ap, "BLOCKS", {k: v for k, v in ap.BLOCKS.items() if k[0] == "*"})
     monkeypatch.setitem(ap.BLOCKS, ("hopper", 64, "bf16"), Blocks(128, 64, 64, 8, 3))
     monkeypatch.setitem(ap.BLOCKS, ("hopper", "*", "*"), Blocks(64, 32, 32))
     assert ap.blocks_for(64, "bf16", "NVIDIA H100 80GB HBM3") == Blocks(128, 64, 64, 8, 3)

@@ -12,9 +12,9 @@ Dots (`dot_mode`): jax.default_matmul_precision's semantics, applied to the atte
 TF32 is a hardware read: off the GPU (Pallas interpret mode) the kernels emulate it by truncating
 the operands to TF32, so CPU tests see its rounding; XLA's dense path on CPU computes it in fp32.
 
-NOTHING HERE HAS RUN ON A GPU: both tables hold only the defaults the kernels have always used
-(BLOCKS) or nothing (CROSSOVER) until `python3 bench/attention.py --gpu --sweep` fills them on a
-lent GPU (scripts/gpu_check.sh runs it and prints the entries to paste).
+The tables' Hopper entries were swept on an NVIDIA H200 (`python3 bench/attention.py --gpu --sweep`,
+run by `GPU_CHECK_ATTENTION=only bash scripts/gpu_check.sh`, which prints the entries to paste);
+other GPUs get the shipped blocks and dense. The sweep's records are in bench/gpu/.
 """
 from __future__ import annotations
 
@@ -115,14 +115,19 @@ class Blocks(NamedTuple):
     stages: int = 2
 
 
-# (generation, padded head size, dot mode) -> Blocks; "*" matches any generation / mode. Only the
-# defaults the kernels shipped with (jax's Triton kernel's: 64-token forward blocks, 32 for heads
-# over 64; 32-token backward blocks), UNTUNED: to be replaced by the entries that
-# `bench/attention.py --gpu --sweep` prints (the fastest fwd+bwd on one 8192-token sample, 8 heads).
+# (generation, padded head size, dot mode) -> Blocks; "*" matches any generation / mode. The "*"
+# entries are the defaults the kernels shipped with (jax's Triton kernel's: 64-token forward blocks,
+# 32 for heads over 64; 32-token backward blocks), untuned. The Hopper entries are the fastest
+# fwd+bwd of `bench/attention.py --gpu --sweep` (one 8192-token sample, 8 heads, 3 repetitions) on
+# an NVIDIA H200, jax 0.11.2 + CUDA 13, 2026-11-28; the times are that sweep's (bench/gpu/).
 BLOCKS: dict[tuple[str, int | str, str], Blocks] = {
     ("*", "*", "*"): Blocks(64, 64, 32),
     ("*", 128, "*"): Blocks(32, 32, 32),
     ("*", 256, "*"): Blocks(32, 32, 32),
+    ("hopper", 64, "tf32"): Blocks(64, 64, 64, 4, 3),  # 4.91 ms (shipped default 5.81 ms)
+    ("hopper", 64, "bf16"): Blocks(64, 64, 64, 4, 3),  # 1.70 ms (2.41 ms)
+    ("hopper", 128, "tf32"): Blocks(32, 32, 32, 4, 2),  # 12.80 ms: the default was the fastest
+    ("hopper", 128, "bf16"): Blocks(64, 32, 32, 4, 3),  # 3.67 ms (4.69 ms)
 }
 
 
@@ -143,9 +148,16 @@ def padded_head(Dh: int) -> int:
 
 # (generation, padded head size, dot mode) -> the longest sample (tokens) up to which the Pallas
 # kernel's fwd+bwd was measured no slower than XLA's dense attention on a row of such samples
-# (float("inf"): it never was slower). EMPTY until `bench/attention.py --gpu --sweep` has run on a GPU;
-# without an entry "auto" takes dense, which cannot lose to itself.
-CROSSOVER: dict[tuple[str, int, str], float] = {}
+# (float("inf"): it never was slower), with that mode's BLOCKS entry, on rows of 8192 tokens of 8
+# heads holding equal samples of 8192, 4096, ..., 128 tokens. Measured by `bench/attention.py --gpu
+# --sweep` on an NVIDIA H200 (jax 0.11.2, CUDA 13), 2026-11-28. Without an entry (fp32 and bf16x3
+# dots, other GPUs) "auto" takes dense, which cannot lose to itself.
+CROSSOVER: dict[tuple[str, int, str], float] = {
+    ("hopper", 64, "tf32"): float("inf"),  # 1 x 8192: 4.71 ms against dense's 7.50
+    ("hopper", 64, "bf16"): float("inf"),  # 1 x 8192: 1.63 ms against 6.75
+    ("hopper", 128, "tf32"): 4096,  # 1 x 8192: 12.44 ms against 9.03; 2 x 4096: 6.50 against 9.08
+    ("hopper", 128, "bf16"): float("inf"),  # 1 x 8192: 3.74 ms against 7.99
+}
 
 # Dense attention's [B, H, T, T] fp32 scores above this many bytes: the Pallas kernel (memory linear
 # in T) whatever the speed. A memory policy, not a measurement: dense keeps about three such
