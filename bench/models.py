@@ -434,18 +434,22 @@ def _run(ctx, name: str, case: Case, comm: str, precision: str, args) -> dict:
     unit = tr.layout.largest * 4
     shards = tr.local_shards()
     got = tr.allgather_obj({"shards": {k: v.tobytes() for k, v in shards.items()}, "peak": acc["peak_xla"],
-                            "gathered": hlo_peak})
+                            "gathered": hlo_peak, "rank": ctx.rank,
+                            "breakdown": {k: acc[k] for k in ("mb_phase", "opt_phase", "state", "mb_step", "opt_step",
+                                                              "native")}})
+    top = max(got, key=lambda d: d["peak"])  # the record's breakdown: the rank at the peak
     full = tr.program.unshard([{k: np.frombuffer(v, np.float32) for k, v in d["shards"].items()} for d in got],
                               tr.local_consts())  # with the current mutable state (batch_stats)
     tr.close()
     return {"model": name, "comm": comm, "transport": "jaxodc" if comm == "odc" else args.transport,
             "precision": precision, "ranks": W, "steps": args.steps, "params_bytes": _nbytes(floats),
-            "loss_sharded": float(loss), "peak_bytes": max(d["peak"] for d in got),
+            "loss_sharded": float(loss), "peak_bytes": top["peak"], "peak_rank": top["rank"],
             "bound_bytes": S / W + 3 * unit + act["activations"],
             "gathered_peak_units": max(d["gathered"] for d in got), "gathers": gathers,
             "units": len(tr.layout.units), "largest_unit": unit, "activations": act["activations"], "S": S,
-            "mb_phase": acc["mb_phase"], "opt_phase": acc["opt_phase"], "state_bytes": acc["state"],
-            "mb_step": acc["mb_step"], "opt_step": acc["opt_step"], **acc["native"],
+            "mb_phase": top["breakdown"]["mb_phase"], "opt_phase": top["breakdown"]["opt_phase"],
+            "state_bytes": top["breakdown"]["state"], "mb_step": top["breakdown"]["mb_step"],
+            "opt_step": top["breakdown"]["opt_step"], **top["breakdown"]["native"],
             "opt_unitwise": (getattr(tr, "unitwise", None) is not None if comm == "collective" else tr.end.separable),
             "_full": full}
 

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "load": "jaxodc.bench.load",
     "fuzz": "jaxodc.bench.fuzz",
     "optim": "jaxodc.bench.optim",
+    "optim-memory": "jaxodc.bench.optim_memory",
     "faults": "jaxodc.bench.faults",
 }
 

@@ -1,0 +1,134 @@
+"""`jaxodc bench optim-memory`: how many gathered leaves a whole-leaf optimizer keeps alive.
+
+    python -m jaxodc bench optim-memory --json bench/out/optim_memory.json
+
+Muon (optax.contrib.muon: Newton-Schulz on each matrix, a whole-leaf operation) on K matrices of
+N x N at 2 ranks, per_leaf shards, compiled for the CPU and read from XLA's memory analysis, in
+matrices: ODC's end-of-minibatch program (train.unitwise.EndStep, its exchanges an opaque identity
+so that XLA cannot fold them) and the collective's per-unit optimizer programs
+(train.unitwise.UnitwiseOptimizer inside shard_map over 2 CPU devices, psum), each with every matrix
+its own unit and with all K in one unit (as a transformer layer's matrices are). One record
+each: {"comm", "layout", "matrices", "temp_matrices"}. Bar (issue "Your Optax chain, unchanged"):
+at most one gathered leaf at a time, i.e. temp_matrices at K = 8 within one matrix of K = 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxodc.bench.common import print_table, write_records
+
+KS = (2, 4, 8)
+
+
+def _tree(k: int, n: int, one_unit: bool):
+    import jax
+    import jax.numpy as jnp
+    leaf = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    if one_unit:
+        return {"u0": {f"w{i}": leaf for i in range(k)}}
+    return {f"u{i}": {"w": leaf} for i in range(k)}
+
+
+def odc_temp_matrices(k: int, one_unit: bool = False, n: int = 256, world: int = 2) -> float:
+    """Temporaries of ODC's end program for Muon on k matrices, in matrices."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jaxodc.modeling.units import make_layout
+    from jaxodc.optim.placement import ParamTree, place
+    from jaxodc.train.unitwise import ROUND_ELEMENTS, EndStep
+    layout = make_layout(_tree(k, n, one_unit), world, sharding="per_leaf")
+    opt = place(optax.contrib.muon(1e-2), ParamTree.of_layout(layout), layout, 0)
+    shards = {u.name: jnp.zeros((u.shard,), jnp.float32) for u in layout.units}
+    state = opt.init(shards)
+    end = EndStep(opt, shards, state)
+    assert sorted(set(end.levels)) == list(range(end.rounds)), end.levels
+    assert n * n < ROUND_ELEMENTS or end.rounds >= k, (end.rounds, k)  # a big leaf: an exchange each
+    prog = end.exchanged(lambda head, part: (head[None], jax.lax.optimization_barrier(part)))
+    compiled = prog.lower(shards, jax.tree_util.tree_leaves(state), shards, jnp.zeros(4, jnp.uint32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / (n * n * 4)
+
+
+def collective_temp_matrices(k: int, one_unit: bool, n: int = 256, world: int = 2) -> float:
+    """The largest temporaries of the collective's per-unit optimizer programs for Muon on k
+    matrices, in matrices (needs `world` devices: --xla_force_host_platform_device_count)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxodc.modeling.units import make_layout
+    from jaxodc.optim.placement import ParamTree, place
+    from jaxodc.train.unitwise import UnitwiseOptimizer, memory_schedule
+    axis = "ranks"
+    layout = make_layout(_tree(k, n, one_unit), world, sharding="per_leaf")
+    mesh = Mesh(np.array(jax.devices()[:world]), (axis,))
+    opt = place(optax.contrib.muon(1e-2), ParamTree.of_layout(layout), layout, None,
+                rank_fn=lambda: jax.lax.axis_index(axis))
+    shapes = opt.local_state_shapes()[0]
+    leaf_specs = [P(axis) if s else P() for s in opt.state_sharded]
+    spec_sh = {u.name: P(axis) for u in layout.units}
+
+    def compile_unit(step, mine, shared, first):  # as CollectiveTrainer._unitwise compiles them
+        others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
+        in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
+        out_specs = (P(axis), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
+                       donate_argnums=(0,), compiler_options=memory_schedule())
+
+    local = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
+    uw = UnitwiseOptimizer(opt, local, shapes, lambda v: (lambda x: jax.lax.psum(x, axis)),
+                           axis_env=[(axis, world)], compile=compile_unit)
+    whole = {u.name: jax.ShapeDtypeStruct((u.shard * world,), jnp.float32) for u in layout.units}
+    state = [jax.ShapeDtypeStruct((s.shape[0] * world,) + s.shape[1:], s.dtype) if sharded else s
+             for s, sharded in zip(jax.tree_util.tree_leaves(shapes), opt.state_sharded)]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), state)
+    temps = [fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+             for _, fn, args in uw.calls(whole, state, whole, jax.ShapeDtypeStruct((), jnp.int32))]
+    return max(temps) / (n * n * 4)
+
+
+def run(n: int) -> list[dict]:
+    records = []
+    for comm, layout, fn in (("odc", "a unit each", lambda k: odc_temp_matrices(k, False, n)),
+                             ("odc", "one unit", lambda k: odc_temp_matrices(k, True, n)),
+                             ("collective", "a unit each", lambda k: collective_temp_matrices(k, False, n)),
+                             ("collective", "one unit", lambda k: collective_temp_matrices(k, True, n))):
+        for k in KS:
+            records.append({"bench": "optim_memory", "comm": comm, "layout": layout, "matrices": k, "n": n,
+                            "temp_matrices": fn(k)})
+            print(records[-1], flush=True)
+    return records
+
+
+def bars(records: list[dict]) -> list[dict]:
+    out = []
+    for comm, layout in sorted({(r["comm"], r["layout"]) for r in records}):
+        t = {r["matrices"]: r["temp_matrices"] for r in records if (r["comm"], r["layout"]) == (comm, layout)}
+        value = t[max(t)] - t[min(t)]
+        out.append({"bench": "optim_memory_bar", "bar": f"temp at K={max(t)} - temp at K={min(t)} <= 1 matrix",
+                    "comm": comm, "layout": layout, "value": value, "limit": 1.0, "met": value <= 1.0})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxodc bench optim-memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--n", type=int, default=256, help="matrix size")
+    a = p.parse_args(argv)
+    if "jax" in sys.modules:
+        raise SystemExit("bench optim-memory sets XLA_FLAGS before jax is imported: run it as its own process")
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    records = run(a.n)
+    result = bars(records)
+    write_records(a.json, records + result)
+    print_table(records, ["comm", "layout", "matrices", "temp_matrices"])
+    print_table(result, ["comm", "layout", "bar", "value", "limit", "met"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
