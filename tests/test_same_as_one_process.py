@@ -135,12 +135,17 @@ def token_count_body(ctx, comm, clip):
     from jaxodc.balance.packing import pack
     mb = pack([np.arange(1, 5, dtype=np.int32)], 8).as_dict()
     before = tr.local_shards()
+    def local_state():  # this process's part (the collective's arrays span processes), copied: it is donated
+        return [np.array(x.addressable_data(0) if hasattr(x, "addressable_data") else x)
+                for x in jax.tree_util.tree_leaves(tr.opt_state)]
+    state = local_state()
     try:
         tr.train_minibatch([mb], 4.0 + 2 * ctx.rank)
         err = None
     except ValueError as e:
         err = str(e)
     same = all(np.array_equal(before[n], x) for n, x in tr.local_shards().items())
+    same = same and all(np.array_equal(a, b) for a, b in zip(state, local_state()))
     if comm == "collective":
         tr.close()
     return err, same
@@ -150,7 +155,7 @@ def token_count_body(ctx, comm, clip):
 def test_per_rank_token_counts_are_refused_before_any_update(comm, clip):
     for err, same in run_ranks(token_count_body, 2, args=(comm, clip), timeout_s=180):
         assert err is not None and "rank 0: 4" in err and "rank 1: 6" in err, err
-        assert same, "the minibatch's update was applied"
+        assert same, "the minibatch's update was applied (to the shards or the optimizer state)"
 
 
 def different_init_body(ctx):
