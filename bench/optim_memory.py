@@ -61,26 +61,16 @@ def collective_temp_matrices(k: int, one_unit: bool, n: int = 256, world: int = 
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxodc.modeling.units import make_layout
     from jaxodc.optim.placement import ParamTree, place
-    from jaxodc.train.unitwise import UnitwiseOptimizer, memory_schedule
-    axis = "ranks"
+    from jaxodc.train.collective import AXIS, unitwise_optimizer
     layout = make_layout(_tree(k, n, one_unit), world, sharding="per_leaf")
-    mesh = Mesh(np.array(jax.devices()[:world]), (axis,))
+    mesh = Mesh(np.array(jax.devices()[:world]), (AXIS,))
     opt = place(optax.contrib.muon(1e-2), ParamTree.of_layout(layout), layout, None,
-                rank_fn=lambda: jax.lax.axis_index(axis))
+                rank_fn=lambda: jax.lax.axis_index(AXIS))
     shapes = opt.local_state_shapes()[0]
-    leaf_specs = [P(axis) if s else P() for s in opt.state_sharded]
-    spec_sh = {u.name: P(axis) for u in layout.units}
-
-    def compile_unit(step, mine, shared, first):  # as CollectiveTrainer._unitwise compiles them
-        others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
-        in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
-        out_specs = (P(axis), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
-                       donate_argnums=(0,), compiler_options=memory_schedule())
-
-    local = {u.name: jax.ShapeDtypeStruct((u.shard,), jnp.float32) for u in layout.units}
-    uw = UnitwiseOptimizer(opt, local, shapes, lambda v: (lambda x: jax.lax.psum(x, axis)),
-                           axis_env=[(axis, world)], compile=compile_unit)
+    state_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes),
+                                               [P(AXIS) if s else P() for s in opt.state_sharded])
+    smap = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False)  # noqa: E731
+    uw = unitwise_optimizer(opt, layout, world, state_specs, {u.name: P(AXIS) for u in layout.units}, smap)
     whole = {u.name: jax.ShapeDtypeStruct((u.shard * world,), jnp.float32) for u in layout.units}
     state = [jax.ShapeDtypeStruct((s.shape[0] * world,) + s.shape[1:], s.dtype) if sharded else s
              for s, sharded in zip(jax.tree_util.tree_leaves(shapes), opt.state_sharded)]

@@ -62,6 +62,25 @@ def _all_gather_bits(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
+def unitwise_optimizer(optimizer, layout, world: int, state_specs, spec_sh, smap):
+    """The placed optimizer run unit by unit (train.unitwise.UnitwiseOptimizer), each unit's call a
+    jitted `smap` (shard_map over AXIS) donating its state, its global sums psums."""
+    from jaxodc.train.unitwise import UnitwiseOptimizer
+    leaf_specs = jax.tree_util.tree_leaves(state_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def compile_unit(step, mine, shared, first):
+        others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
+        in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
+        out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
+        return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,), compiler_options=memory_schedule())
+
+    # traced as inside shard_map: on one rank's shapes
+    local_shards = {n: jax.ShapeDtypeStruct((layout[n].shard,), jnp.float32) for n in layout.names}
+    return UnitwiseOptimizer(optimizer, local_shards, optimizer.local_state_shapes()[0],
+                             lambda v: (lambda x: jax.lax.psum(x, AXIS)), axis_env=[(AXIS, world)],
+                             compile=compile_unit)
+
+
 def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None,
                       compute_dtype=jnp.float32, reduce_dtype=None) -> GatherFn:
     """all_gather forward, psum_scatter backward: the gradient of the local shard is the sum over ranks.
@@ -309,20 +328,7 @@ class CollectiveTrainer(ShardedTrainer):
         self.version = 0
 
     def _unitwise(self, optimizer, state_specs, spec_sh, smap):
-        from jaxodc.train.unitwise import UnitwiseOptimizer
-        leaf_specs = jax.tree_util.tree_leaves(state_specs, is_leaf=lambda x: isinstance(x, P))
-
-        def compile_unit(step, mine, shared, first):
-            others = [None if i in mine else sp for i, sp in enumerate(leaf_specs)]
-            in_specs = ([leaf_specs[i] for i in mine], others, spec_sh, spec_sh, P())
-            out_specs = (P(AXIS), [leaf_specs[i] for i in mine], [leaf_specs[i] for i in shared] if first else [])
-            return jax.jit(smap(step, in_specs, out_specs), donate_argnums=(0,), compiler_options=memory_schedule())
-
-        # traced as inside shard_map: on one rank's shapes
-        local_shards = {n: jax.ShapeDtypeStruct((self.layout[n].shard,), jnp.float32) for n in self.layout.names}
-        uw = UnitwiseOptimizer(optimizer, local_shards, optimizer.local_state_shapes()[0],
-                               lambda v: (lambda x: jax.lax.psum(x, AXIS)),
-                               axis_env=[(AXIS, self.world)], compile=compile_unit)
+        uw = unitwise_optimizer(optimizer, self.layout, self.world, state_specs, spec_sh, smap)
         self._add = jax.jit(jnp.add, donate_argnums=(0,))  # optax.apply_updates of one unit, in place
         return uw if uw.separable else None
 
