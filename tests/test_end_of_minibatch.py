@@ -135,13 +135,16 @@ def test_exchange_rounds_pack_small_sites_and_send_big_ones_alone():
 
 
 def test_gathered_leaves_are_alive_one_at_a_time():
-    """Muon gathers each matrix whole (a site each, an exchange each): with a unit per matrix the
-    end program's temporaries must not grow with the number of matrices (each gathered leaf is
-    exchanged, used and stored before the next). Several matrices in one unit do grow: a limit
-    (docs/optimizer.md), measured by `jaxodc bench optim-memory`."""
+    """Muon gathers each matrix whole (a site each, an exchange each): the end program's
+    temporaries must not grow with the number of matrices beyond their update pieces (each
+    gathered leaf is exchanged, used and cut back before the next). With a unit per matrix they
+    do not grow at all; with all in one unit (a transformer layer's matrices) each adds its piece,
+    1/2 of a matrix at 2 ranks, alive until the unit's new shard is written."""
     from jaxodc.bench.optim_memory import odc_temp_matrices
     two, eight = odc_temp_matrices(2), odc_temp_matrices(8)
     assert eight <= two + 1.0, (two, eight)  # all eight alive at once would add six leaves or more
+    two, eight = odc_temp_matrices(2, one_unit=True), odc_temp_matrices(8, one_unit=True)
+    assert eight <= two + 1.0 + 6 / 2, (two, eight)  # before the cut-back barrier: 15 -> 51
 
 
 # --- both trainers across processes against the single-process reference -----------------------

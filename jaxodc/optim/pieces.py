@@ -2,10 +2,10 @@
 
 `ParamTree` is the model's own parameter tree as an optimizer sees it and, per parameter, the unit
 (and layer of a scan-stacked leaf) that holds it; `LeafLayout` is one parameter's piece on one rank
-as segments of that rank's shards (modeling/units.py). The functions cut a piece out of the shards
-(`local_piece`), write pieces back (`join_pieces`), cut a whole value to a piece (`cut`), gather a
-piece into the whole value over ranks (`gather`, through `optim.clipping.global_sum`), and do the
-same on the host for checkpoints (`assemble_host`, `cut_host`). The rank may be a traced value
+as segments of that rank's shards (modeling/units.py). A piece is handled as one part per segment.
+The functions cut a piece out of the shards (`local_parts`), write pieces back (`join_pieces`),
+cut a whole value to a piece (`cut`), gather a piece into the whole value over ranks (`gather`,
+through `optim.clipping.global_sum`), and do the same on the host for checkpoints (`assemble_host`, `cut_host`). The rank may be a traced value
 (the collective's `axis_index` inside `shard_map`, one program for every rank): the per_leaf
 sharding gives every rank segments of one length, whose positions follow the rank; the contiguous
 one gives segments of the longest length over ranks, whose positions and real lengths a per-rank
@@ -82,11 +82,6 @@ class LeafLayout:
     @property
     def length(self) -> int:
         return sum(s.length for s in self.segments)
-
-    @property
-    def padded(self) -> bool:
-        """Whether some local elements may be padding (then reductions mask them)."""
-        return any(s.stride or s.ranks is not None or s.start + s.length > s.numel for s in self.segments)
 
 
 class ParamTree:
@@ -194,24 +189,31 @@ def _global_flat(seg: Segment, shape: tuple[int, ...], rank) -> jax.Array:
     return jnp.ravel_multi_index(tuple(coords), shape, mode="clip")
 
 
-def valid_mask(layout: LeafLayout, rank) -> jax.Array | None:
-    """Which local elements are real (None: all are)."""
-    if not layout.padded:
+def segment_valid(seg: Segment, rank, world: int) -> jax.Array | None:
+    """Which of the segment's local elements are real (None: all are, on every rank)."""
+    if seg.ranks is None and seg.start + seg.stride * (world - 1) + seg.length <= seg.numel:
         return None
-    return jnp.concatenate([_element_index(s, rank) < s.numel for s in layout.segments]) if layout.segments \
-        else jnp.zeros((0,), bool)
+    return _element_index(seg, rank) < seg.numel
 
 
-def flat_index(layout: LeafLayout, rank) -> jax.Array:
-    """The parameter's flat index of each local element (int32; padding clipped)."""
-    if not layout.segments:
-        return jnp.zeros((0,), jnp.int32)
-    return jnp.concatenate([_global_flat(s, layout.shape, rank) for s in layout.segments])
+def valid_mask(layout: LeafLayout, rank) -> jax.Array | None:
+    """Which of a flat piece's local elements are real (None: all are)."""
+    masks = [segment_valid(s, rank, layout.world) for s in layout.segments]
+    if all(m is None for m in masks):
+        return None
+    return jnp.concatenate([jnp.ones((s.length,), bool) if m is None else m for s, m in zip(layout.segments, masks)])
 
 
-def local_piece(layout: LeafLayout, shards: dict, rank=None) -> jax.Array:
-    """The local piece (flat) of one parameter out of this rank's shards (a table's padding holds
-    whatever follows the real elements)."""
+def segment_flat_index(seg: Segment, layout: LeafLayout, rank) -> jax.Array:
+    """The parameter's flat index of each of the segment's local elements (int32; padding clipped)."""
+    return _global_flat(seg, layout.shape, rank)
+
+
+def local_parts(layout: LeafLayout, shards: dict, rank=None) -> tuple:
+    """One parameter's local piece out of this rank's shards, one part per segment: slices of
+    the shards, never concatenated (a piece of a scan-stacked leaf spans units, and a
+    concatenation read twice is a copy the program keeps alive). A table's padding holds whatever
+    follows the real elements."""
     parts = []
     for s in layout.segments:
         if s.ranks is None:
@@ -219,36 +221,45 @@ def local_piece(layout: LeafLayout, shards: dict, rank=None) -> jax.Array:
         else:
             src = jnp.pad(shards[s.unit], (0, s.length))
             parts.append(lax.dynamic_slice_in_dim(src, s._column(0, rank), s.length))
+    return tuple(parts)
+
+
+def split_parts(flat: jax.Array, layout: LeafLayout) -> tuple:
+    """A flat local piece (a state leaf as kept) as per-segment parts."""
+    out, at = [], 0
+    for s in layout.segments:
+        out.append(lax.slice_in_dim(flat, at, at + s.length))
+        at += s.length
+    return tuple(out)
+
+
+def flat_of(parts: Sequence[jax.Array], dtype=jnp.float32) -> jax.Array:
+    """Per-segment parts as one flat local piece."""
     if not parts:
-        return jnp.zeros((0,), jnp.float32)
+        return jnp.zeros((0,), dtype)
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shard_sizes: dict, dtype=jnp.float32,
-                rank=None) -> dict:
-    """This rank's shards {unit: [size]} holding the parameters' local pieces (zeros elsewhere;
-    a table's padding is dropped)."""
+def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[Sequence[jax.Array]], shard_sizes: dict,
+                dtype=jnp.float32, rank=None) -> dict:
+    """This rank's shards {unit: [size]} holding the parameters' local pieces, each given as its
+    per-segment parts (zeros elsewhere; a table's padding is dropped)."""
     runs: dict[str, list] = {u: [] for u in shard_sizes}
     tabled: list = []
-    for layout, x in zip(layouts, pieces):
-        at = 0
-        for s in layout.segments:
+    for layout, parts in zip(layouts, pieces):
+        for s, x in zip(layout.segments, parts):
             if s.ranks is None:
-                runs[s.unit].append((s.offset, x[at:at + s.length]))
+                runs[s.unit].append((s.offset, x))
             else:
-                tabled.append((s, x[at:at + s.length]))
-            at += s.length
+                tabled.append((s, x))
     out = {}
     for unit, size in shard_sizes.items():
-        parts, pos = [], 0
-        for off, x in sorted(runs[unit], key=lambda r: r[0]):
-            if off > pos:
-                parts.append(jnp.zeros((off - pos,), dtype))
-            parts.append(x.astype(dtype))
-            pos = off + x.shape[0]
-        if pos < size:
-            parts.append(jnp.zeros((size - pos,), dtype))
-        out[unit] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        # Written piece by piece (in place), not concatenated: a concatenation reads every piece
+        # at once, so each stays alive (with what it was cut from) until the last is made.
+        shard = jnp.zeros((size,), dtype)
+        for off, x in runs[unit]:
+            shard = lax.dynamic_update_slice_in_dim(shard, x.astype(dtype), off, 0)
+        out[unit] = shard
     for s, x in tabled:  # real elements added at the rank's offset (padding adds zeros, or falls off)
         k = jnp.arange(s.length, dtype=jnp.int32)
         x = jnp.where(k < s._column(2, rank), x.astype(dtype), jnp.zeros((), dtype))
@@ -256,8 +267,8 @@ def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[jax.Array], shar
     return out
 
 
-def cut(full: jax.Array, layout: LeafLayout, rank) -> jax.Array:
-    """A whole parameter-shaped value's local piece (by the same flat order)."""
+def cut(full: jax.Array, layout: LeafLayout, rank) -> tuple:
+    """A whole parameter-shaped value's local piece (by the same flat order), per segment."""
     flat = jnp.reshape(full, (-1,))
     parts = []
     for s in layout.segments:
@@ -273,19 +284,19 @@ def cut(full: jax.Array, layout: LeafLayout, rank) -> jax.Array:
         need = s.start + s.stride * (layout.world - 1) + s.length  # every rank's window in range
         src = jnp.pad(src, (0, max(need - s.numel, 0)))
         parts.append(lax.dynamic_slice_in_dim(src, s.start + s.stride * jnp.asarray(rank, jnp.int32), s.length))
-    if not parts:
-        return jnp.zeros((0,), full.dtype)
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return tuple(parts)
 
 
-def gather(local: jax.Array, layout: LeafLayout, rank) -> jax.Array:
-    """The whole parameter on every rank, from every rank's local piece: each adds its piece into
-    zeros and `global_sum` sums them (exact: every element has one non-zero term)."""
-    valid = valid_mask(layout, rank)
-    x = local if valid is None else jnp.where(valid, local, jnp.zeros_like(local))
+def gather(parts: Sequence[jax.Array], layout: LeafLayout, rank, dtype) -> jax.Array:
+    """The whole parameter on every rank, from every rank's local piece (per-segment parts): each
+    adds its piece into zeros and `global_sum` sums them (exact: every element has one non-zero
+    term)."""
     full = jnp.zeros((math.prod(layout.shape),), jnp.float32)
-    full = full.at[flat_index(layout, rank)].add(x.astype(jnp.float32), mode="drop") if layout.segments else full
-    return global_sum(full).astype(local.dtype).reshape(layout.shape)
+    for s, x in zip(layout.segments, parts):
+        valid = segment_valid(s, rank, layout.world)
+        x = x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
+        full = full.at[segment_flat_index(s, layout, rank)].add(x.astype(jnp.float32), mode="drop")
+    return global_sum(full).astype(dtype).reshape(layout.shape)
 
 
 def assemble_host(tree: ParamTree, layout, param: int, pieces: Sequence[np.ndarray]) -> np.ndarray:

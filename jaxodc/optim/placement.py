@@ -32,6 +32,7 @@ optim/pieces.py's; this module is the interpreter (`Placer`) and the transformat
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -44,8 +45,9 @@ from jax import lax
 from jax.extend.core import Literal
 
 from jaxodc.optim.clipping import global_sum
-from jaxodc.optim.pieces import (LeafLayout, ParamTree, PlacementError, cut, flat_index, gather,  # noqa: F401
-                                  join_pieces, local_piece, valid_mask)
+from jaxodc.optim.pieces import (LeafLayout, ParamTree, PlacementError, cut, flat_of, gather,  # noqa: F401
+                                  join_pieces, local_parts, segment_flat_index, segment_valid, split_parts,
+                                  valid_mask)
 
 PyTree = Any
 
@@ -56,11 +58,21 @@ PyTree = Any
 @dataclass
 class Local:
     """A value with a parameter's flat order, held as this rank's piece: `shape` is its view (any
-    reshape of the parameter's shape), `x` the local elements."""
+    reshape of the parameter's shape). The local elements are either `parts`, one array per
+    segment of `layout` (parameters and gradients: slices of the unit shards, never concatenated,
+    since a piece of a scan-stacked leaf spans units and a concatenation read twice is a copy the
+    program keeps), or `flat`, one array (a state leaf as kept: updated in place only if it stays
+    one array)."""
 
     layout: LeafLayout
     shape: tuple[int, ...]
-    x: jax.Array
+    parts: tuple | None
+    dtype: Any
+    flat: jax.Array | None = None
+
+    def segments(self) -> tuple:
+        """The local elements per segment (a flat value's as slices of it)."""
+        return self.parts if self.flat is None else split_parts(self.flat, self.layout)
 
 
 @dataclass
@@ -134,6 +146,13 @@ def _identity(op: str, dtype):
     return {"sum": 0, "prod": 1, "and": True, "or": False}[op]
 
 
+def _dtype(x):
+    """The element type of an operand, placed or not."""
+    if isinstance(x, Local):
+        return x.dtype
+    return (x.value if isinstance(x, Broadcast) else jnp.asarray(x)).dtype
+
+
 def _where(eqn) -> str:
     try:
         from jax._src import source_info_util
@@ -155,28 +174,50 @@ class Placer:
         if isinstance(v, Partial):
             return global_sum(v.x)
         if isinstance(v, Local):
-            return jnp.reshape(gather(v.x, v.layout, self.rank), v.shape)
+            return jnp.reshape(gather(v.segments(), v.layout, self.rank, v.dtype), v.shape)
         if isinstance(v, Broadcast):
             return lax.broadcast_in_dim(v.value, v.shape, v.dims)
         return v
 
-    def local(self, v, layout: LeafLayout) -> jax.Array:
-        """The value's elements at `layout`'s local elements (flat)."""
+    def local(self, v, layout: LeafLayout) -> tuple:
+        """The value's elements at `layout`'s local elements (per segment)."""
         v = self.taken(v)
         if isinstance(v, Local):
             if v.layout == layout:
-                return v.x
-            return cut(self.whole(v), layout, self.rank)
+                return v.segments()
+            return self._cut(self.whole(v), layout)
         if isinstance(v, Broadcast):
             if math.prod(v.value.shape) == 1:
-                return jnp.broadcast_to(jnp.reshape(v.value, ()), (layout.length,))
-            coords = jnp.unravel_index(flat_index(layout, self.rank), v.shape)
-            src = tuple(jnp.zeros_like(coords[d]) if n == 1 else coords[d] for d, n in zip(v.dims, v.value.shape))
-            return jnp.reshape(v.value, (-1,))[jnp.ravel_multi_index(src, v.value.shape, mode="clip")]
+                return tuple(jnp.broadcast_to(jnp.reshape(v.value, ()), (s.length,)) for s in layout.segments)
+            flat = jnp.reshape(v.value, (-1,))
+            out = []
+            for s in layout.segments:
+                coords = jnp.unravel_index(segment_flat_index(s, layout, self.rank), v.shape)
+                src = tuple(jnp.zeros_like(coords[d]) if n == 1 else coords[d] for d, n in zip(v.dims, v.value.shape))
+                out.append(flat[jnp.ravel_multi_index(src, v.value.shape, mode="clip")])
+            return tuple(out)
         v = jnp.asarray(v)
         if v.ndim == 0:
-            return jnp.broadcast_to(v, (layout.length,))
-        return cut(v, layout, self.rank)
+            return tuple(jnp.broadcast_to(v, (s.length,)) for s in layout.segments)
+        return self._cut(v, layout)
+
+    def _cut(self, whole: jax.Array, layout: LeafLayout) -> tuple:
+        """A whole value's local piece, materialised on its own: else XLA fuses the last
+        operations on the whole leaf (Newton-Schulz's last step) into whatever reads the piece,
+        often the unit's new shard, which then holds every leaf's whole values alive at once."""
+        return lax.optimization_barrier(cut(whole, layout, self.rank))
+
+    def local_flat(self, v, layout: LeafLayout, dtype) -> jax.Array:
+        """The value's elements at `layout`'s local elements as one flat array (a replicated
+        scalar broadcast once, not per segment: a concatenation of broadcasts is materialised)."""
+        v = self.taken(v)
+        if isinstance(v, Local) and v.flat is not None and v.layout == layout:
+            return v.flat
+        if isinstance(v, Broadcast) and math.prod(v.value.shape) == 1:
+            return jnp.broadcast_to(jnp.reshape(v.value, ()), (layout.length,))
+        if not isinstance(v, (Local, Broadcast)) and jnp.ndim(v) == 0:
+            return jnp.broadcast_to(jnp.asarray(v), (layout.length,))
+        return flat_of(self.local(v, layout), dtype)
 
     # -- reductions
     def global_reduce(self, partial: jax.Array, op: str) -> jax.Array:
@@ -209,29 +250,34 @@ class Placer:
 
     def reduce(self, v: Local, axes: Sequence[int], op: str):
         kept = [d for d in range(len(v.shape)) if d not in axes]
-        x, dtype = v.x, v.x.dtype
+        dtype = v.dtype
         ident = _identity(op, dtype)
-        valid = valid_mask(v.layout, self.rank)
-        if valid is not None:
-            x = jnp.where(valid, x, jnp.asarray(ident, dtype))
         out_shape = tuple(v.shape[d] for d in kept)
-        if not kept:
-            if op in ("and", "or"):
-                partial = jnp.all(x) if op == "and" else jnp.any(x)
+        combine = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "prod": jnp.multiply,
+                   "and": jnp.logical_and, "or": jnp.logical_or}[op]
+        partial = jnp.full(out_shape, ident, jnp.bool_ if op in ("and", "or") else dtype)
+        for s, x in zip(v.layout.segments, v.segments()):  # a partial per segment, combined
+            valid = segment_valid(s, self.rank, v.layout.world)
+            if valid is not None:
+                x = jnp.where(valid, x, jnp.asarray(ident, dtype))
+            if not kept:
+                if op in ("and", "or"):
+                    part = jnp.all(x) if op == "and" else jnp.any(x)
+                else:
+                    part = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod}[op](x, initial=ident)
             else:
-                partial = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "prod": jnp.prod}[op](x, initial=ident)
-        else:
-            coords = jnp.unravel_index(flat_index(v.layout, self.rank), v.shape)
-            seg = jnp.ravel_multi_index(tuple(coords[d] for d in kept), out_shape, mode="clip")
-            n = math.prod(out_shape)
-            if op in ("and", "or"):  # empty segments: and -> True (int max), or -> False (int min)
-                fn = jax.ops.segment_min if op == "and" else jax.ops.segment_max
-                partial = fn(x.astype(jnp.int32), seg, n) > 0
-            else:
-                fn = {"sum": jax.ops.segment_sum, "max": jax.ops.segment_max, "min": jax.ops.segment_min,
-                      "prod": jax.ops.segment_prod}[op]
-                partial = fn(x, seg, n)
-            partial = jnp.reshape(partial, out_shape)
+                coords = jnp.unravel_index(segment_flat_index(s, v.layout, self.rank), v.shape)
+                seg = jnp.ravel_multi_index(tuple(coords[d] for d in kept), out_shape, mode="clip")
+                n = math.prod(out_shape)
+                if op in ("and", "or"):  # empty segments: and -> True (int max), or -> False (int min)
+                    fn = jax.ops.segment_min if op == "and" else jax.ops.segment_max
+                    part = fn(x.astype(jnp.int32), seg, n) > 0
+                else:
+                    fn = {"sum": jax.ops.segment_sum, "max": jax.ops.segment_max, "min": jax.ops.segment_min,
+                          "prod": jax.ops.segment_prod}[op]
+                    part = fn(x, seg, n)
+                part = jnp.reshape(part, out_shape)
+            partial = combine(partial, part)
         partial = partial.astype(dtype)
         if op == "sum" and jnp.issubdtype(dtype, jnp.floating):
             return Partial(partial)  # taken where something other than a linear operation reads it
@@ -282,15 +328,17 @@ class Placer:
         if name == "broadcast_in_dim":
             return [self._broadcast(eqn, ins)]
         if name in ("reshape", "squeeze", "expand_dims") and isinstance(ins[0], Local):
-            return [Local(ins[0].layout, tuple(out_avals[0].shape), ins[0].x)]
+            return [dataclasses.replace(ins[0], shape=tuple(out_avals[0].shape))]
         if name in REDUCTIONS and isinstance(ins[0], Local):
             return [self.reduce(ins[0], tuple(eqn.params["axes"]), REDUCTIONS[name])]
         if name == "dot_general" and self._is_inner_product(eqn, ins):
             a, b = ins
             pref = eqn.params.get("preferred_element_type")
-            prod = a.x.astype(pref or a.x.dtype) * b.x.astype(pref or b.x.dtype)
-            valid = valid_mask(a.layout, self.rank)  # padding may hold anything by now
-            x = jnp.sum(prod if valid is None else jnp.where(valid, prod, jnp.zeros_like(prod)))
+            x = jnp.zeros((), pref or a.dtype)
+            for s, pa, pb in zip(a.layout.segments, a.segments(), b.segments()):
+                prod = pa.astype(pref or pa.dtype) * pb.astype(pref or pb.dtype)
+                valid = segment_valid(s, self.rank, a.layout.world)  # padding may hold anything by now
+                x = x + jnp.sum(prod if valid is None else jnp.where(valid, prod, jnp.zeros_like(prod)))
             return [self.global_reduce(x, "sum").astype(out_avals[0].dtype)]
         if name == "cond":
             return self._cond(eqn, ins)
@@ -308,20 +356,34 @@ class Placer:
         if not layouts:  # only lazy broadcasts: materialised
             return self._bind(eqn, [self.whole(x) for x in ins])[0]
         layout, args = layouts[0], []
+        bind = lambda xs: self._bind(eqn, xs)[0]  # noqa: E731
+        divisor = ins[1] if eqn.primitive.name == "div" else None
+        if (divisor is not None and not isinstance(divisor, Local) and jnp.issubdtype(aval.dtype, jnp.floating)
+                and math.prod(jnp.shape(divisor.value if isinstance(divisor, Broadcast) else divisor)) == 1):
+            # A piece over a replicated scalar (clipping's t / norm) as a product with its inverse:
+            # XLA counts a divide as expensive and will not recompute it in each of its consumers
+            # (Adam's two moments), so it would keep the quotient of every leaf alive.
+            inverse = 1 / jnp.reshape(divisor.value if isinstance(divisor, Broadcast) else divisor, ())
+            ins = [ins[0], inverse.astype(aval.dtype)]
+            bind = lambda xs: lax.mul(*xs)  # noqa: E731
+        flat = any(isinstance(x, Local) and x.flat is not None and x.layout == layout for x in ins)
         for x in ins:
             if isinstance(x, (Local, Broadcast)) and tuple(x.shape) != shape:
                 x = self.whole(x)  # an operand the op broadcasts (a scalar, or unit axes)
             if not isinstance(x, (Local, Broadcast)) and 0 < jnp.ndim(x) and tuple(jnp.shape(x)) != shape:
                 x = Broadcast(jnp.asarray(x), shape, tuple(range(len(shape))))
-            args.append(self.local(x, layout))  # scalars too: select_n takes no scalar cases
-        return Local(layout, shape, self._bind(eqn, args)[0])
+            # scalars too: select_n takes no scalar cases
+            args.append(self.local_flat(x, layout, _dtype(x)) if flat else self.local(x, layout))
+        if flat:  # meets a state leaf: flat, so that the state is updated in place
+            return Local(layout, shape, None, aval.dtype, bind(args))
+        return Local(layout, shape, tuple(bind(list(xs)) for xs in zip(*args)), aval.dtype)
 
     def _broadcast(self, eqn, ins):
         x = ins[0]
         shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
         if isinstance(x, Local):
             if math.prod(shape) == math.prod(x.shape):  # only unit axes added: the same flat order
-                return Local(x.layout, shape, x.x)
+                return dataclasses.replace(x, shape=shape)
             return self._bind(eqn, [self.whole(x)] + list(ins[1:]))[0]
         if isinstance(x, Broadcast):  # a broadcast of a broadcast: one broadcast of the value
             return Broadcast(x.value, shape, tuple(dims[d] for d in x.dims))
@@ -346,9 +408,14 @@ class Placer:
             vals = [br[k] for br in branches]
             layouts = [v.layout for v in vals if isinstance(v, Local) and v.shape == tuple(aval.aval.shape)]
             if layouts:
-                lay = layouts[0]
+                lay, shape, dtype = layouts[0], tuple(aval.aval.shape), aval.aval.dtype
+                if any(isinstance(v, Local) and v.flat is not None and v.layout == lay for v in vals):
+                    xs = [self.local_flat(v, lay, dtype) for v in vals]
+                    out.append(Local(lay, shape, None, dtype, lax.select_n(index, *xs) if len(xs) > 1 else xs[0]))
+                    continue
                 xs = [self.local(v, lay) for v in vals]
-                out.append(Local(lay, tuple(aval.aval.shape), lax.select_n(index, *xs) if len(xs) > 1 else xs[0]))
+                out.append(Local(lay, shape, tuple(lax.select_n(index, *p) for p in zip(*xs)) if len(xs) > 1
+                                 else xs[0], dtype))
             else:
                 xs = [self.whole(v) for v in vals]
                 out.append(lax.select_n(index, *xs) if len(xs) > 1 else xs[0])
@@ -441,28 +508,39 @@ class PlacedOptimizer:
 
     def _pieces(self, shards: dict) -> list[Local]:
         rank = self.rank
-        return [Local(lay, lay.shape, local_piece(lay, shards, rank)) for lay in self.layouts]
+        return [Local(lay, lay.shape, local_parts(lay, shards, rank),
+                      shards[lay.segments[0].unit].dtype if lay.segments else jnp.float32) for lay in self.layouts]
 
     def _state_in(self, leaves) -> list:
-        return [Local(self.layouts[i], self.layouts[i].shape, x) if i is not None else x
+        """State leaves as kept: flat pieces."""
+        return [Local(self.layouts[i], self.layouts[i].shape, None, x.dtype, x) if i is not None else x
                 for x, i in zip(leaves, self.state_param)]
 
-    def _state_out(self, placer: Placer, outs) -> list:
+    def _state_out(self, placer: Placer, outs, dtypes) -> list:
         res = []
-        for v, i in zip(outs, self.state_param):
-            x = placer.local(v, self.layouts[i]) if i is not None else placer.whole(v)
-            res.append(self._clean(placer, x, i) if i is not None else x)
+        for v, i, dtype in zip(outs, self.state_param, dtypes):
+            if i is None:
+                res.append(placer.whole(v))
+            else:
+                x = placer.local_flat(v, self.layouts[i], dtype)
+                valid = valid_mask(self.layouts[i], placer.rank)
+                res.append(x if valid is None else jnp.where(valid, x, jnp.zeros_like(x)))
         return res
 
-    def _clean(self, placer: Placer, x, i):
-        valid = valid_mask(self.layouts[i], placer.rank)
-        return x if valid is None else jnp.where(valid, x, jnp.zeros_like(x))
+    def _clean(self, placer: Placer, parts: tuple, i) -> tuple:
+        """`parts` with the padding of parameter `i`'s piece zeroed."""
+        out = []
+        for s, x in zip(self.layouts[i].segments, parts):
+            valid = segment_valid(s, placer.rank, self.layouts[i].world)
+            out.append(x if valid is None else jnp.where(valid, x, jnp.zeros_like(x)))
+        return tuple(out)
 
     def init(self, shards):
         """The optimizer's state for this rank's shards {unit: flat shard}."""
         placer = Placer(self.rank, self.unit_layout.world)
         outs = placer.run(self._init.jaxpr, self._init.consts, self._pieces(shards))
-        return jax.tree_util.tree_unflatten(self._state_def, self._state_out(placer, outs))
+        dtypes = [v.aval.dtype for v in self._init.jaxpr.outvars]
+        return jax.tree_util.tree_unflatten(self._state_def, self._state_out(placer, outs, dtypes))
 
     def update(self, updates, state, params=None):
         """(updates as shards, new state) from the gradients' shards, as the optimizer's update on
@@ -474,9 +552,9 @@ class PlacedOptimizer:
         leaves = jax.tree_util.tree_leaves(state)
         outs = placer.run(self._update.jaxpr, self._update.consts, grads + self._state_in(leaves) + ps)
         n = len(self.layouts)
-        upd = [self._clean(placer, placer.local(v, lay), i).astype(jnp.float32)
+        upd = [tuple(x.astype(jnp.float32) for x in self._clean(placer, placer.local(v, lay), i))
                for i, (v, lay) in enumerate(zip(outs[:n], self.layouts))]
-        new = self._state_out(placer, outs[n:])
+        new = self._state_out(placer, outs[n:], [v.aval.dtype for v in self._update.jaxpr.outvars[n:]])
         return (join_pieces(self.layouts, upd, self._sizes, rank=placer.rank),
                 jax.tree_util.tree_unflatten(self._state_def, new))
 

@@ -370,30 +370,45 @@ class EndStep:
             program; `head` goes with the first level's exchange (and an empty one with later
             levels').
           keep: head rows -> whether to apply the update (a traced bool); where not, the shards
-            and the state stay as they were (a disagreement the caller then reports).
+            and the state stay as they were (a disagreement the caller then reports), and the
+            exchanges after the first are not made (the rows are alike on every rank, and so is
+            the decision).
 
         Returns:
           The jitted (shards, state leaves, grads, head, *extra) -> (apply's result, head rows),
           the state leaves donated as by `apply`.
         """
         def fn(shards, state_leaves, grads, head, *extra):
-            reduced, rows = [jnp.asarray(r) for r in self.fill([None] * len(self.sites))], None
-            for k in range(self.rounds):
-                part = self._level_part(k, self._update(shards, state_leaves, grads, reduced)[2])
-                got, total = exchange(head if k == 0 else head[:0], part, *extra)
-                rows = got if k == 0 else rows
-                self.split(k, total, reduced)
-                reduced = [jnp.reshape(r, s.shape).astype(s.dtype) for r, s in zip(reduced, self.sites)]
-            if keep is None:
-                return self._apply_fn(shards, state_leaves, grads, reduced), rows
+            def rounds(ks: range, reduced: list):
+                """The exchanges of levels `ks`: (reduced with their sums, the head rows of level 0)."""
+                rows = None
+                for k in ks:
+                    part = self._level_part(k, self._update(shards, state_leaves, grads, reduced)[2])
+                    got, total = exchange(head if k == 0 else head[:0], part, *extra)
+                    rows = got if k == 0 else rows
+                    reduced = list(reduced)
+                    self.split(k, total, reduced)
+                    reduced = [jnp.reshape(r, s.shape).astype(s.dtype) for r, s in zip(reduced, self.sites)]
+                return reduced, rows
 
-            # The update under a cond rather than a select of new or old values: a select reads
-            # the old state after the update wrote it in place, so XLA copies every donated state
-            # leaf first (bench models' nnx_mlp: 3.9 MB of temporaries, not 0.6).
+            reduced = [jnp.asarray(r) for r in self.fill([None] * len(self.sites))]
+            if keep is None:
+                reduced, rows = rounds(range(self.rounds), reduced)
+                return self._apply_fn(shards, state_leaves, grads, reduced), rows
+            # The first exchange carries the head rows, which every rank then decides on alike;
+            # the later ones run with the update under a cond, so that a leaf gathered in one of
+            # them is used and freed before the next (outside, every exchange's result would be
+            # an operand of the cond, all alive at once). A cond rather than a select of new or
+            # old values: a select reads the old state after the update wrote it in place, so
+            # XLA copies every donated state leaf first (bench models' nnx_mlp: 3.9 MB, not 0.6).
+            reduced, rows = rounds(range(1), reduced)
+
+            def go(first):
+                return self._apply_fn(shards, state_leaves, grads, rounds(range(1, self.rounds), first)[0])
+
             def skip(_):
                 return (dict(shards), list(state_leaves)) if self._store is None else (list(state_leaves), self._token())
-            return jax.lax.cond(keep(rows), lambda _: self._apply_fn(shards, state_leaves, grads, reduced), skip,
-                                None), rows
+            return jax.lax.cond(keep(rows), go, skip, reduced), rows
 
         return jax.jit(fn, donate_argnums=(1,) if self._store is not None else (0, 1), compiler_options=memory_schedule())
 
