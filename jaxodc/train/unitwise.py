@@ -7,6 +7,7 @@ traced once, the dependencies of its outputs on its inputs are read off the jaxp
 unit's outputs (its updates and its part of the state) depend only on
 
   its own shard, its own state, the state shared by all units (Adam's count), any gradient,
+  the state of a leaf lying in it and in other units too (written by the last of them),
 
 the step runs as one jitted call per unit: the whole update traced, all but that unit's outputs
 dropped by XLA's dead-code elimination, the unit's state donated. Global reductions (our
@@ -60,6 +61,16 @@ def memory_schedule() -> dict | None:
     return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
+def state_writers(spans: Sequence[tuple[str, ...]], names: Sequence[str]) -> list[str | None]:
+    """The unit whose part of the update writes each state leaf: the last of those it lies in. A
+    leaf spanning several (beside a scan-stacked parameter) is read by each of them and written,
+    in place (donated), by the last, so never read after it changed; before, the first wrote a
+    new copy beside the old one that later units still read (bench models' llama under the
+    collective: the stacked leaves' state twice). None: shared leaves (counts), written by the
+    first unit's part from untouched inputs."""
+    return [max(s, key=list(names).index) if s else None for s in spans]
+
+
 def _state_spans(optimizer, paths, names: Sequence[str]) -> list[tuple[str, ...]]:
     """The units each state leaf's piece lies in: as a placed optimizer (optim.placement) says,
     else by path; () for shared leaves (counts), several beside a scan-stacked parameter."""
@@ -99,10 +110,8 @@ class UnitwiseOptimizer:
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        # A leaf spanning several units is shared here: the first call computes it from
-        # untouched inputs, and later calls read its old value.
         self._state_span = _state_spans(optimizer, paths, self.names)
-        self._state_unit = [s[0] if len(s) == 1 else None for s in self._state_span]
+        self._state_unit = state_writers(self._state_span, self.names)
 
         def update(shards, state_leaves, grads, v):
             state = jax.tree_util.tree_unflatten(self._state_def, state_leaves)
@@ -267,11 +276,8 @@ class EndStep:
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
-        # A leaf spanning several units (beside a scan-stacked parameter) is read by each of them
-        # and written by the last, so never read after it changed (XLA:CPU still copies the
-        # donated leaf, which several fusions read: bench/RESULTS.md, stop 37).
         self._state_span = _state_spans(optimizer, paths, self.names)
-        self._state_unit = [max(s, key=self.names.index) if s else None for s in self._state_span]
+        self._state_unit = state_writers(self._state_span, self.names)
         self._store, self._token = store, token
         sh, leaves = spec(shards), [x for _, x in paths]
         # The sites: the hook's calls while the update is traced.
