@@ -254,12 +254,15 @@ def join_pieces(layouts: Sequence[LeafLayout], pieces: Sequence[Sequence[jax.Arr
                 tabled.append((s, x))
     out = {}
     for unit, size in shard_sizes.items():
-        # Written piece by piece (in place), not concatenated: a concatenation reads every piece
-        # at once, so each stays alive (with what it was cut from) until the last is made.
-        shard = jnp.zeros((size,), dtype)
-        for off, x in runs[unit]:
-            shard = lax.dynamic_update_slice_in_dim(shard, x.astype(dtype), off, 0)
-        out[unit] = shard
+        parts, pos = [], 0
+        for off, x in sorted(runs[unit], key=lambda r: r[0]):
+            if off > pos:
+                parts.append(jnp.zeros((off - pos,), dtype))
+            parts.append(x.astype(dtype))
+            pos = off + x.shape[0]
+        if pos < size:
+            parts.append(jnp.zeros((size - pos,), dtype))
+        out[unit] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     for s, x in tabled:  # real elements added at the rank's offset (padding adds zeros, or falls off)
         k = jnp.arange(s.length, dtype=jnp.int32)
         x = jnp.where(k < s._column(2, rank), x.astype(dtype), jnp.zeros((), dtype))
