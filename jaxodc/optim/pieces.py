@@ -5,7 +5,8 @@
 as segments of that rank's shards (modeling/units.py). A piece is handled as one part per segment.
 The functions cut a piece out of the shards (`local_parts`), write pieces back (`join_pieces`),
 cut a whole value to a piece (`cut`), gather a piece into the whole value over ranks (`gather`,
-through `optim.clipping.global_sum`), and do the same on the host for checkpoints (`assemble_host`, `cut_host`). The rank may be a traced value
+through `optim.clipping.global_sum`), and do the same on the host for checkpoints
+(`assemble_host`, `cut_host`). The rank may be a traced value
 (the collective's `axis_index` inside `shard_map`, one program for every rank): the per_leaf
 sharding gives every rank segments of one length, whose positions follow the rank; the contiguous
 one gives segments of the longest length over ranks, whose positions and real lengths a per-rank
