@@ -9,9 +9,11 @@ so that XLA cannot fold them) and the collective's per-unit optimizer programs
 (train.unitwise.UnitwiseOptimizer inside shard_map over 2 CPU devices, psum), each with every matrix
 its own unit and with all K in one unit (as a transformer layer's matrices are). One record
 each: {"comm", "layout", "matrices", "temp_matrices"}. Bar (issue "Your Optax chain, unchanged"):
-at most one gathered leaf at a time, i.e. temp_matrices at K = 8 within one matrix of K = 2 beyond
-the 6 more matrices' update pieces (1/W of a matrix each: the unit's new shard, which any optimizer
-makes).
+at most one gathered leaf at a time, i.e. temp_matrices at K = 8 within one matrix of K = 2 beyond,
+for ODC's one unit, the 6 more matrices' update pieces (1/W of a matrix each: the unit's new shard,
+which any optimizer makes, is a temporary of its program until written). The collective's per-unit
+programs return each parameter's update piece as an output of its own (train.collective
+update_cuts): nothing is subtracted there.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def collective_temp_matrices(k: int, one_unit: bool, n: int = 256, world: int = 
     layout = make_layout(_tree(k, n, one_unit), world, sharding="per_leaf")
     mesh = Mesh(np.array(jax.devices()[:world]), (AXIS,))
     opt = place(optax.contrib.muon(1e-2), ParamTree.of_layout(layout), layout, None,
-                rank_fn=lambda: jax.lax.axis_index(AXIS))
+                rank_fn=lambda: jax.lax.axis_index(AXIS), serial_gathers=True)  # as the trainer
     shapes = opt.local_state_shapes()[0]
     state_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes),
                                                [P(AXIS) if s else P() for s in opt.state_sharded])
@@ -98,15 +100,17 @@ def run(n: int) -> list[dict]:
 
 
 def bars(records: list[dict], world: int = 2) -> list[dict]:
-    """Temporaries that grow with the matrices beyond their local pieces: at most one matrix. Each
-    matrix's update piece (1/W of it, part of its unit's new shard, which every optimizer makes,
-    elementwise ones too) is alive until the unit's shard is written; a gathered whole matrix may
-    not be, beyond the one being worked on."""
+    """Temporaries that grow with the matrices beyond their local pieces: at most one matrix. In
+    ODC's end program each matrix's update piece (1/W of it, part of its unit's new shard, which
+    every optimizer makes, elementwise ones too) is a temporary until the unit's shard is written;
+    the collective returns them as outputs. A gathered whole matrix may not be alive beyond the
+    one being worked on."""
     out = []
     for comm, layout in sorted({(r["comm"], r["layout"]) for r in records}):
         t = {r["matrices"]: r["temp_matrices"] for r in records if (r["comm"], r["layout"]) == (comm, layout)}
         hi, lo = max(t), min(t)
-        pieces = (hi - lo) / world if layout == "one unit" else 0.0  # a unit each: written one by one
+        # a unit each: written one by one; the collective: outputs
+        pieces = (hi - lo) / world if (comm, layout) == ("odc", "one unit") else 0.0
         value = t[hi] - t[lo] - pieces
         out.append({"bench": "optim_memory_bar",
                     "bar": f"temp at K={hi} - temp at K={lo} - {pieces:g} matrices of pieces <= 1 matrix",

@@ -163,10 +163,55 @@ def _where(eqn) -> str:
 
 class Placer:
     """Runs a jaxpr traced on global values with some inputs given as local pieces (module
-    docstring). `rank`: this rank (an int, or traced); `world`: ranks."""
+    docstring). `rank`: this rank (an int, or traced); `world`: ranks.
 
-    def __init__(self, rank, world: int):
+    `serial_gathers`: a leaf of some units is gathered only once the previous gathered leaf of
+    the same units is done with: the latest whole value made from it (Muon: its Newton-Schulz
+    result) is cut to that leaf's piece there and then, and the cut and the next gather pass one
+    optimization barrier. Where the gathers are collectives inside one program (the collective
+    trainer's psum), XLA:CPU's scheduler otherwise runs every gather first, or every cut last,
+    holding every leaf whole while it works on one (bench optim-memory, Muon on a unit's 8
+    matrices: 16 matrices of temporaries where one's Newton-Schulz needs 9). Same units only: a
+    unit's program must not read another's (train.unitwise). Later readers of the cut value get
+    the piece: elementwise ones work on it; one that needs it whole gathers it again."""
+
+    def __init__(self, rank, world: int, serial_gathers: bool = False):
         self.rank, self.world = rank, world
+        self.serial_gathers = serial_gathers
+        self._from_gather: dict[int, tuple] = {}  # id -> (units, value): whole values made from a gathered leaf
+        self._latest: dict[frozenset, tuple] = {}  # units -> (the latest such value, its leaf's layout)
+        self._gathered: list[tuple] = []  # (units, layout) of each leaf gathered so far
+        self._renamed: dict[int, tuple] = {}  # id -> (value, what reads of it get from then on)
+
+    def _derived(self, ins: Sequence, outs: Sequence, gathered: Sequence[tuple]) -> None:
+        """Marks `outs` as made from a gathered leaf where some of `ins` were, or the operation
+        gathered some (`gathered`), all of one leaf."""
+        keys = {self._from_gather[id(x)][0] for x in ins if self._from_gather.get(id(x), (None, None))[1] is x}
+        keys |= set(gathered)
+        if len(keys) != 1:
+            return
+        key = keys.pop()
+        for y in outs:
+            if not isinstance(y, (Local, Broadcast, Partial)):
+                self._from_gather[id(y)] = (key, y)
+                self._latest[key[0]] = (y, key[1])
+
+    def _after_previous(self, parts: tuple, units: frozenset) -> tuple:
+        """`parts` (a leaf of `units` about to be gathered) once the previous gathered leaf of those
+        units is cut (see the class docstring)."""
+        if units not in self._latest:
+            return parts
+        prev, layout = self._latest.pop(units)
+        if math.prod(prev.shape) != math.prod(layout.shape) or not jnp.issubdtype(prev.dtype, jnp.floating):
+            # not the leaf's values (a statistic of it, a mask): only ordered; both barrier outputs are read
+            # from then on, else XLA drops the one nothing reads
+            parts, after = lax.optimization_barrier((parts, prev))
+            self._renamed[id(prev)] = (prev, after)
+            return parts
+        piece = cut(jnp.reshape(prev, layout.shape), layout, self.rank)
+        parts, piece = lax.optimization_barrier((parts, piece))
+        self._renamed[id(prev)] = (prev, Local(layout, tuple(prev.shape), piece, prev.dtype))
+        return parts
 
     # -- conversions
     def whole(self, v):
@@ -174,7 +219,16 @@ class Placer:
         if isinstance(v, Partial):
             return global_sum(v.x)
         if isinstance(v, Local):
-            return jnp.reshape(gather(v.segments(), v.layout, self.rank, v.dtype), v.shape)
+            parts = v.segments()
+            if self.serial_gathers:
+                key = (frozenset(s.unit for s in v.layout.segments), v.layout)
+                parts = self._after_previous(parts, key[0])
+            out = jnp.reshape(gather(parts, v.layout, self.rank, v.dtype), v.shape)
+            if self.serial_gathers:
+                self._from_gather[id(out)] = (key, out)
+                self._latest[key[0]] = (out, key[1])
+                self._gathered.append(key)
+            return out
         if isinstance(v, Broadcast):
             return lax.broadcast_in_dim(v.value, v.shape, v.dims)
         return v
@@ -288,14 +342,21 @@ class Placer:
         env: dict = {}
 
         def read(a):
-            return a.val if isinstance(a, Literal) else env[a]
+            if isinstance(a, Literal):
+                return a.val
+            x = env[a]
+            renamed = self._renamed.get(id(x))
+            return renamed[1] if renamed is not None and renamed[0] is x else x
 
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = c
         for var, x in zip(jaxpr.invars, args):
             env[var] = x
         for eqn in jaxpr.eqns:
-            outs = self.eqn(eqn, [read(a) for a in eqn.invars])
+            ins, before = [read(a) for a in eqn.invars], len(self._gathered)
+            outs = self.eqn(eqn, ins)
+            if self.serial_gathers:
+                self._derived(ins, outs, self._gathered[before:])
             for var, x in zip(eqn.outvars, outs):
                 env[var] = x
         return [read(a) for a in jaxpr.outvars]
@@ -451,12 +512,16 @@ class PlacedOptimizer:
         collective's `axis_index`; one program for every rank, pieces of one length, those of
         contiguous shards padded to the longest: see `held` / `padded`).
       rank_fn: () -> the traced rank, with rank=None.
+      serial_gathers: a unit's whole leaves gathered one after another (Placer), for gathers
+        that are collectives inside one program.
     """
 
-    def __init__(self, optimizer, tree: ParamTree, layout, rank: int | None, rank_fn: Callable | None = None):
+    def __init__(self, optimizer, tree: ParamTree, layout, rank: int | None, rank_fn: Callable | None = None,
+                 serial_gathers: bool = False):
         if rank is None and rank_fn is None:
             raise ValueError("PlacedOptimizer needs rank= or rank_fn=")
         self.optimizer, self.tree, self.unit_layout = optimizer, tree, layout
+        self.serial_gathers = serial_gathers
         self._rank, self._rank_fn = rank, rank_fn
         self.layouts = tree.layouts(layout, rank)
         self._sizes = {u.name: u.shard for u in layout.units}
@@ -547,7 +612,7 @@ class PlacedOptimizer:
         the whole tree would give them at this rank's elements."""
         if params is None:
             raise ValueError("the placed optimizer needs params (the trainers always pass their shards)")
-        placer = Placer(self.rank, self.unit_layout.world)
+        placer = Placer(self.rank, self.unit_layout.world, self.serial_gathers)
         grads, ps = self._pieces(updates), self._pieces(params)
         leaves = jax.tree_util.tree_leaves(state)
         outs = placer.run(self._update.jaxpr, self._update.consts, grads + self._state_in(leaves) + ps)
@@ -585,9 +650,9 @@ def _starts(layout: LeafLayout) -> list:
 
 
 def place(optimizer: optax.GradientTransformation, tree: ParamTree, layout, rank: int | None,
-          rank_fn: Callable | None = None) -> PlacedOptimizer:
+          rank_fn: Callable | None = None, serial_gathers: bool = False) -> PlacedOptimizer:
     """`optimizer` on this rank's shards (PlacedOptimizer), checked: an operation that cannot be
     placed raises PlacementError here, before training starts."""
-    placed = PlacedOptimizer(optimizer, tree, layout, rank, rank_fn)
+    placed = PlacedOptimizer(optimizer, tree, layout, rank, rank_fn, serial_gathers)
     placed.check()
     return placed

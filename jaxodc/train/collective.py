@@ -78,7 +78,21 @@ def unitwise_optimizer(optimizer, layout, world: int, state_specs, spec_sh, smap
     local_shards = {n: jax.ShapeDtypeStruct((layout[n].shard,), jnp.float32) for n in layout.names}
     return UnitwiseOptimizer(optimizer, local_shards, optimizer.local_state_shapes()[0],
                              lambda v: (lambda x: jax.lax.psum(x, AXIS)), axis_env=[(AXIS, world)],
-                             compile=compile_unit)
+                             compile=compile_unit, cuts=update_cuts(layout))
+
+
+def update_cuts(layout) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The slices a per_leaf unit's updates are returned in (UnitwiseOptimizer's `cuts`): one per
+    parameter, so that each is written where it is made; a tail of padding, if any, its own."""
+    out = {}
+    for n in layout.names:
+        spec = layout[n]
+        if not spec.per_leaf or len(spec.shapes) < 2:
+            continue
+        cuts = [(o, s) for o, s in spec.leaf_shards() if s]
+        end = sum(s for _, s in cuts)
+        out[n] = tuple(cuts) + (((end, spec.shard - end),) if spec.shard > end else ())
+    return out
 
 
 def collective_gather(axis: str = AXIS, exchanges: dict[str, UnitExchange] | None = None,
@@ -267,7 +281,7 @@ class CollectiveTrainer(ShardedTrainer):
         # parameter into pieces whose lengths differ from rank to rank: each is padded to the
         # longest, so the state can exceed 1/W of the whole then; per_leaf pieces need no padding)
         self.optimizer = optimizer = place(optimizer, self.program.param_tree(), self.layout, None,
-                                           rank_fn=lambda: jax.lax.axis_index(AXIS))
+                                           rank_fn=lambda: jax.lax.axis_index(AXIS), serial_gathers=True)
         state_shapes = optimizer.local_state_shapes()[0]
         state_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state_shapes),
                                                    [P(AXIS) if s else P() for s in optimizer.state_sharded])
@@ -329,7 +343,10 @@ class CollectiveTrainer(ShardedTrainer):
 
     def _unitwise(self, optimizer, state_specs, spec_sh, smap):
         uw = unitwise_optimizer(optimizer, self.layout, self.world, state_specs, spec_sh, smap)
-        self._add = jax.jit(jnp.add, donate_argnums=(0,))  # optax.apply_updates of one unit, in place
+        # optax.apply_updates of one unit, in place; a unit's updates cut per parameter
+        # (update_cuts) are joined on each rank's slices, inside shard_map
+        self._add = jax.jit(smap(lambda s, u: s + (jnp.concatenate(u) if isinstance(u, tuple) else u),
+                                 (P(AXIS), P(AXIS)), P(AXIS)), donate_argnums=(0,))
         return uw if uw.separable else None
 
     def _optimize(self, shards: dict, opt_state, acc: dict):

@@ -102,11 +102,18 @@ class UnitwiseOptimizer:
       compile: (step, mine, shared, first) -> the callable running `step` (default: jax.jit
         donating its first argument, the unit's state leaves); `mine` / `shared`: the indices of
         the unit's and the shared state leaves; `first`: whether the call returns the shared ones.
+      cuts: {unit: [(offset, size)]} tiling its shard: the unit's updates are returned as those
+        slices, each its own output buffer, and `apply` gets the tuple. A unit whose parameters'
+        updates are made apart (Muon's matrices, one after another) then writes each into its
+        output where it is made; returned whole, each is a temporary until the last is made and
+        all are joined (bench optim-memory: the collective's one-unit Muon).
     """
 
     def __init__(self, optimizer: optax.GradientTransformation, shards: dict, opt_state,
-                 reduce_for: Callable[[Any], Callable], *, axis_env=None, compile: Callable | None = None):
+                 reduce_for: Callable[[Any], Callable], *, axis_env=None, compile: Callable | None = None,
+                 cuts: dict[str, Sequence[tuple[int, int]]] | None = None):
         self.names = tuple(shards)
+        self._cuts = cuts or {}
         names = frozenset(self.names)
         spec = lambda t: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
         paths, self._state_def = jax.tree_util.tree_flatten_with_path(spec(opt_state))
@@ -148,7 +155,10 @@ class UnitwiseOptimizer:
                 for i, x in zip(mine, own):
                     leaves[i] = x
                 upd, new = self._update(shards, leaves, grads, v)
-                return upd[unit], [new[i] for i in mine], ([new[i] for i in shared] if first else [])
+                out = upd[unit]
+                if unit in self._cuts:
+                    out = tuple(jax.lax.slice_in_dim(out, o, o + n) for o, n in self._cuts[unit])
+                return out, [new[i] for i in mine], ([new[i] for i in shared] if first else [])
 
             self._steps[key] = (self._compile(step, mine, shared, first), mine, shared)
         return self._steps[key]

@@ -75,7 +75,8 @@ def collective_way(tx, world: int, steps: int, inject_inf=False, sharding="per_l
     layout = make_layout(p, world, sharding=sharding)
     axis = "ranks"
     mesh = Mesh(np.array(jax.devices()[:world]), (axis,))
-    opt = place(tx, ParamTree.of_layout(layout), layout, None, rank_fn=lambda: jax.lax.axis_index(axis))
+    opt = place(tx, ParamTree.of_layout(layout), layout, None, rank_fn=lambda: jax.lax.axis_index(axis),
+                serial_gathers=True)  # as the collective trainer places it
     shapes = opt.local_state_shapes()[0]
     state_spec = jax.tree.unflatten(jax.tree.structure(shapes), [P(axis) if s else P() for s in opt.state_sharded])
     names = layout.names
