@@ -14,12 +14,11 @@ import time
 import pytest
 
 from jaxodc.launch import address
-from jaxodc.launch.cluster import Cluster, _names_in_use, sweep, unavailable
+from emulated_hosts import needs_hosts, require_hosts
+from jaxodc.launch.cluster import Cluster, _names_in_use, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "tests", "support", "listen_probe.py")
-WHY = unavailable()
-needs_hosts = pytest.mark.skipif(WHY is not None, reason=f"emulated hosts unavailable: {WHY}")
 
 
 def _env():
@@ -45,8 +44,7 @@ def _leftovers(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if WHY is not None:
-        pytest.skip(f"emulated hosts unavailable: {WHY}")
+    require_hosts()
     with Cluster(2) as c:
         yield c
     assert _leftovers(c.name) == []

@@ -9,11 +9,9 @@ and a 3 s heartbeat timeout keep CI short; the bench runs the issue's lengths
 (`python -m jaxodc bench faults`)."""
 import pytest
 
-from jaxodc.launch.cluster import unavailable
+from emulated_hosts import needs_hosts
 
-WHY = unavailable()
 HB = 3.0
-hosts = pytest.mark.skipif(WHY is not None, reason=f"emulated hosts unavailable: {WHY}")
 
 
 def _run(scenario, down_s, tmp_path):
@@ -27,7 +25,7 @@ def _run(scenario, down_s, tmp_path):
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(240)
 def test_stopped_peer_is_dropped_within_the_heartbeat_timeout_and_rejoins(tmp_path):
     rec = _run("stop", 5.0, tmp_path)
@@ -36,7 +34,7 @@ def test_stopped_peer_is_dropped_within_the_heartbeat_timeout_and_rejoins(tmp_pa
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(240)
 def test_flapping_link_no_hang_exact_results_bounded_retries(tmp_path):
     rec = _run("flap", 11.0, tmp_path)  # down at 0-1 s, 5-6 s, 10-11 s
@@ -54,7 +52,7 @@ def _sites(scenario, tmp_path):
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(400)
 def test_diloco_site_link_down_mid_exchange_others_finish_the_step_site_rejoins(tmp_path):
     """Scenario 1: three DiLoCo sites, one per host; the last one's link goes down for 8 s as it
@@ -63,7 +61,7 @@ def test_diloco_site_link_down_mid_exchange_others_finish_the_step_site_rejoins(
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(400)
 def test_diloco_site_cut_from_the_master_is_kicked_and_rejoins(tmp_path):
     """Scenario 2: the last site cannot reach the master for 8 s (it still reaches the others)."""
@@ -71,7 +69,7 @@ def test_diloco_site_cut_from_the_master_is_kicked_and_rejoins(tmp_path):
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(400)
 def test_diloco_under_loss_ends_where_a_loss_free_run_ends(tmp_path):
     """Scenario 3 (DiLoCo half): three sites, 1% loss on every host's 100 Mbit/s link for the whole
@@ -83,7 +81,7 @@ def test_diloco_under_loss_ends_where_a_loss_free_run_ends(tmp_path):
 
 
 @pytest.mark.slow
-@hosts
+@needs_hosts
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("scenario,steps", [("odc-link", 8)])
 def test_odc_across_hosts_rides_through_the_network_fault(tmp_path, scenario, steps):

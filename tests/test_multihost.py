@@ -12,12 +12,11 @@ import sys
 
 import pytest
 
-from jaxodc.launch.cluster import Cluster, unavailable
+from emulated_hosts import needs_hosts
+from jaxodc.launch.cluster import Cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WHY = unavailable()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(WHY is not None, reason=f"emulated hosts unavailable: {WHY}")]
+pytestmark = [pytest.mark.slow, needs_hosts]
 
 
 def _env() -> dict:
