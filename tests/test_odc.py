@@ -1,6 +1,7 @@
 """ODC primitives across processes: gather, scatter-accumulate, the version protocol, jax.grad
 through odc_gather, and the fault cases (bad input, dead peers, timeouts, shared-memory leaks)."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -491,9 +492,11 @@ def test_peer_killed_mid_operation_raises_naming_it(tmp_path, mode, transport):
     assert result["leftover"] == []
 
 
-def timeout_body(ctx):
-    from jaxodc.odc import OdcTimeoutError
-    rt = make_runtime(ctx, sizes=[100], timeout_s=1.0)
+def timeout_body(ctx, transport="auto"):
+    from jaxodc.odc import OdcTimeoutError, PeerError
+    # over tcp the owner's server times out and its error reply fails the gather (PeerError)
+    expected = OdcTimeoutError if transport == "auto" else PeerError
+    rt = make_runtime(ctx, sizes=[100], transport=transport, timeout_s=1.0)
     publish_all(rt, 0)
     rt.done(0)
     rt.wait_complete(0)
@@ -501,7 +504,7 @@ def timeout_body(ctx):
     if ctx.rank == 0:  # publishes version 1; rank 1 never does
         publish_all(rt, 1)
         start = time.monotonic()
-        with pytest.raises(OdcTimeoutError) as e:
+        with pytest.raises(expected) as e:
             rt.gather(0, 1)
         result = str(e.value), time.monotonic() - start
     ctx.barrier("checked")
@@ -509,9 +512,12 @@ def timeout_body(ctx):
     return result
 
 
-def test_gather_timeout_names_unit_and_owner():
-    msg, elapsed = run_ranks(timeout_body, 2)[0]
-    assert "rank 1" in msg and "unit 0" in msg and "version 1" in msg
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_gather_timeout_names_unit_and_owner(transport):
+    msg, elapsed = run_ranks(timeout_body, 2, args=(transport,))[0]
+    assert "rank 1" in msg and "unit 0" in msg and "version 1" in msg and "timed out" in msg, msg
+    if transport == "tcp":  # an owner reached over the network is named with its address too
+        assert re.search(r"rank 1 \(127\.0\.0\.1:\d+\)", msg), msg
     assert 0.9 < elapsed < 5
 
 

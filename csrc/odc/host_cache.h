@@ -83,7 +83,7 @@ class HostCache {
 class CachedPeer final : public Peer {
  public:
   CachedPeer(const Core& core, std::unique_ptr<Peer> inner, HostCache& cache)
-      : Peer(core, inner->rank()), inner_(std::move(inner)), cache_(cache) {}
+      : Peer(core, inner->rank(), inner->where()), inner_(std::move(inner)), cache_(cache) {}
 
   // Gathers do their own request in read_piece (only the rank filling an entry sends one).
   Pending request_piece(int, int64_t, ElemType) override { return {}; }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -31,13 +32,16 @@ struct Segment {
 
 class Peer {
  public:
-  Peer(const Core& core, int rank) : core_(core), rank_(rank) {}
+  // `where`: the owner's address where it is reached over a network ("host:port"), named with
+  // its rank in every error about it.
+  Peer(const Core& core, int rank, std::string where = {}) : core_(core), rank_(rank), where_(std::move(where)) {}
   virtual ~Peer() = default;
   Peer(const Peer&) = delete;
   Peer& operator=(const Peer&) = delete;
 
   int rank() const { return rank_; }
-  std::string name() const { return "rank " + std::to_string(rank_); }
+  const std::string& where() const { return where_; }
+  std::string name() const { return "rank " + std::to_string(rank_) + (where_.empty() ? "" : " (" + where_ + ")"); }
 
   // A connection held while its reply is on the way; empty where nothing travels.
   using Pending = std::unique_lock<std::mutex>;
@@ -89,6 +93,7 @@ class Peer {
  protected:
   const Core& core_;
   const int rank_;
+  const std::string where_;
 };
 
 // An owner whose segment is mapped in this process: reads, markers, claims and scalars work on it

@@ -8,7 +8,8 @@
 
 namespace jaxodc::odc {
 
-TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg) : Peer(core, cfg.rank) {
+TcpPeer::TcpPeer(const Core& core, const PeerConfig& cfg)
+    : Peer(core, cfg.rank, cfg.host + ":" + std::to_string(cfg.port)) {
   link_.set(core.link_rate, core.link_latency);
   fd_ = tcp::connect_within(cfg.host, cfg.port, core.timeout_s, name());
   try {
