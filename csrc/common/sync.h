@@ -10,6 +10,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <ctime>
 #include <stdexcept>
 #include <string>
@@ -32,6 +33,13 @@ class PeerError : public Error {
  public:
   using Error::Error;
 };
+
+// A duration for a message: "1 s", "2.5 s" (std::to_string would print "1.000000").
+inline std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", s);
+  return buf;
+}
 
 inline double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -23,7 +23,7 @@ void wait_for(const Core& core, std::atomic<uint32_t>* word, Pred ready, const P
     if (peer != nullptr) peer->check_alive(what);
     double now = now_seconds();
     if (now > deadline)
-      throw TimeoutError(core.who() + " timed out after " + std::to_string(core.timeout_s) + " s " + what);
+      throw TimeoutError(core.who() + " timed out after " + seconds_text(core.timeout_s) + " " + what);
     futex_wait(word, seen, std::min(0.05, deadline - now));
   }
 }

@@ -137,7 +137,7 @@ void CachedPeer::read_piece(int unit, int64_t version, const std::vector<Segment
     // Another rank of this host is fetching the piece: wait for it.
     const double left = deadline - now_seconds();
     if (left <= 0)
-      throw TimeoutError(core_.who() + " timed out after " + std::to_string(core_.timeout_s) + " s waiting for rank " +
+      throw TimeoutError(core_.who() + " timed out after " + seconds_text(core_.timeout_s) + " waiting for rank " +
                          std::to_string(e->filler.load()) + " of this host to fetch " + name() + "'s piece of unit " +
                          std::to_string(unit) + " (version " + std::to_string(version) +
                          ") into the host gather cache");

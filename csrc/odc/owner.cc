@@ -46,7 +46,7 @@ void Runtime::accumulate(int unit, int64_t version, int client, const float* dat
 void Runtime::record_lent_timeout(int unit, int client) {
   core_->record_push_error("rank " + std::to_string(client) + " pushed unit " + std::to_string(unit) + " to " +
                            core_->who() + ", whose summed gradient stayed lent out (no clear_grad) for " +
-                           std::to_string(core_->timeout_s) + " s");
+                           seconds_text(core_->timeout_s));
 }
 
 bool Runtime::unit_lent(int unit) {
@@ -171,7 +171,7 @@ void Runtime::wait_complete(int64_t version) {
     peers_[missing]->check_alive(what);
     const double now = now_seconds();
     if (now > deadline)
-      throw TimeoutError(core.who() + " timed out after " + std::to_string(core.timeout_s) + " s " + what);
+      throw TimeoutError(core.who() + " timed out after " + seconds_text(core.timeout_s) + " " + what);
     futex_wait(&seg->doorbell, seen, std::min(0.05, deadline - now));
   }
   completed_version_.store(version);

@@ -36,7 +36,7 @@ void read_request(int fd, void* buf, size_t n, const Core& core, const std::stri
     tcp::recv_all(fd, buf, n, now_seconds() + core.timeout_s, &core.stop, peer);
   } catch (const tcp::TcpError& e) {
     if (e.kind == tcp::ErrKind::kTimeout)
-      throw TimeoutError("timed out after " + std::to_string(core.timeout_s) + " s receiving from " + peer);
+      throw TimeoutError("timed out after " + seconds_text(core.timeout_s) + " receiving from " + peer);
     throw PeerError("connection to " + std::string(e.what()));
   }
 }

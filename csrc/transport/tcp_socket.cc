@@ -129,7 +129,7 @@ int connect_to(const std::string& addr, double timeout_s, const std::atomic<bool
     close(fd);
     if (now_seconds() >= deadline)
       throw TcpError(ErrKind::kTimeout, "connect to " + addr + " timed out after " +
-                                            std::to_string(timeout_s) + " s (last error: " + last + ")");
+                                            seconds_text(timeout_s) + " (last error: " + last + ")");
     // refused (peer not listening yet): back off, still watching the abort flag
     double until = std::min(deadline, now_seconds() + backoff);
     for (double t = now_seconds(); t < until; t = now_seconds()) {
@@ -226,7 +226,7 @@ namespace {
 [[noreturn]] void rethrow_as_jaxodc(const TcpError& e, double timeout_s, const char* direction,
                                     const std::string& what) {
   if (e.kind == ErrKind::kTimeout)
-    throw TimeoutError("timed out after " + std::to_string(timeout_s) + " s " + direction + " " + what);
+    throw TimeoutError("timed out after " + seconds_text(timeout_s) + " " + direction + " " + what);
   throw PeerError("connection to " + std::string(e.what()));
 }
 
@@ -256,7 +256,7 @@ void send_shaped(int fd, const void* buf, size_t n, Link& link, double timeout_s
     const size_t grant = link.take(n, &wait);
     if (grant == 0) {
       if (now_seconds() + wait > deadline)
-        throw TimeoutError("timed out after " + std::to_string(timeout_s) + " s sending to " + what +
+        throw TimeoutError("timed out after " + seconds_text(timeout_s) + " sending to " + what +
                            " through the emulated link");
       std::this_thread::sleep_for(std::chrono::duration<double>(wait));
       continue;
