@@ -85,6 +85,8 @@ def test_every_native_listener_refuses_a_wrong_secret_and_admits_the_right_one()
 def test_an_empty_secret_only_on_loopback():
     with pytest.raises(RuntimeError, match="without a job secret"):
         C.OdcRuntime(0, 2, f"jnatsec_open{os.getpid()}", [8], 5.0, "0.0.0.0", 0, b"")
+    # the refused runtime's shared-memory segment went with it
+    assert not os.path.exists(f"/dev/shm/jaxodc_jnatsec_open{os.getpid()}_0")
     with pytest.raises(RuntimeError, match="without a job secret"):
         C.LockstepGroup(0, 2, f"/jaxodc_jnatsec_open{os.getpid()}_l", [(0, 8, "c", 0)], 5.0, "0.0.0.0", b"", "j")
     from jaxodc.comm.ring import RingEndpoint

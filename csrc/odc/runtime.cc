@@ -35,11 +35,21 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
   for (char c : job_id)
     if (!(isalnum(static_cast<unsigned char>(c)) || c == '_'))
       throw Error("job id '" + job_id + "' may hold only letters, digits and '_'");
-  Core& core = *core_;
-  const Layout& layout = core.layout;
+  const Layout& layout = core_->layout;
   shm_name_ = "/jaxodc_" + job_id + "_" + std::to_string(rank);
   segment_ = std::make_unique<Mapping>(create_segment(shm_name_, job_id, rank, layout));
   linked_ = true;
+  try {
+    start(rank, world, listen_host, secret);
+  } catch (...) {
+    unlink_segment();  // a constructor that throws gets no destructor: the name would outlive us
+    throw;
+  }
+}
+
+void Runtime::start(int rank, int world, const std::string& listen_host, const std::string& secret) {
+  Core& core = *core_;
+  const Layout& layout = core.layout;
   core.seg = segment_->seg;
   core.client_failure.assign(world, "");
 
@@ -52,7 +62,7 @@ Runtime::Runtime(int rank, int world, const std::string& job_id, const std::vect
 
   peers_.resize(world);
   peers_[rank] = std::make_unique<SelfPeer>(core, *this);
-  core.identity = auth::Identity{secret, "odc_tcp", job_id};
+  core.identity = auth::Identity{secret, "odc_tcp", job_id_};
   if (world > 1) server_ = std::make_unique<TcpServer>(core, listen_host);
   daemon_ = std::thread([this] { daemon_loop(); });
 }

@@ -224,6 +224,9 @@ class Runtime {
  private:
   friend class SelfPeer;  // my own slice of a push goes straight into my accumulator
 
+  // The constructor's work once the segment exists (accumulators, peers, server, daemon).
+  void start(int rank, int world, const std::string& listen_host, const std::string& secret);
+
   void check_unit(int unit, const char* op) const;
   void check_open(const char* op) const;
   // check_open + check_unit + a caller's buffer of `got` elements where `expected` are needed.
