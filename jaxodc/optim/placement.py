@@ -193,8 +193,12 @@ class Placer:
         key = keys.pop()
         for y in outs:
             if not isinstance(y, (Local, Broadcast, Partial)):
-                self._from_gather[id(y)] = (key, y)
-                self._latest[key[0]] = (y, key[1])
+                self._mark(y, key)
+
+    def _mark(self, y, key: tuple) -> None:
+        """`y`, a whole value, made from the gathered leaf `key` (units, layout): the latest one."""
+        self._from_gather[id(y)] = (key, y)
+        self._latest[key[0]] = (y, key[1])
 
     def _after_previous(self, parts: tuple, units: frozenset) -> tuple:
         """`parts` (a leaf of `units` about to be gathered) once the previous gathered leaf of those
@@ -225,8 +229,7 @@ class Placer:
                 parts = self._after_previous(parts, key[0])
             out = jnp.reshape(gather(parts, v.layout, self.rank, v.dtype), v.shape)
             if self.serial_gathers:
-                self._from_gather[id(out)] = (key, out)
-                self._latest[key[0]] = (out, key[1])
+                self._mark(out, key)
                 self._gathered.append(key)
             return out
         if isinstance(v, Broadcast):
